@@ -1,32 +1,36 @@
 """smp2ds translator: SMP configuration dicts -> validated `SMPConfig` -> `Plan`.
 
 Pure functions, no torch or deepspeed import, so ``smp2ds validate/convert/explain`` start fast.
-Public API: ``load_document``, ``validate``, ``normalize``, ``plan`` and the types below.
-Names are resolved lazily so importing one piece does not import the others.
+Public API: ``load_document``, ``parse_json_text``, ``validate``, ``normalize``,
+``resolve_layout``, ``plan`` and the types below.
 """
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
-
 from .issues import InputError, Issue, SMPConfigError
 from .model import KeyNote, Layout, Plan, SMPConfig
 
-_LAZY = {
-    "load_document": ".load",
-    "parse_json_text": ".load",
-    "validate": ".validate",
-    "normalize": ".normalize",
-    "resolve_layout": ".layout",
-    "ResolvedLayout": ".layout",
-    "plan": ".planner",
-}
+# Imported eagerly on purpose: `validate` and `normalize` are also submodule names, and a lazy
+# attribute would be shadowed by the submodule as soon as anything imported it.
+from .load import load_document, parse_json_text  # noqa: E402
+from .validate import validate  # noqa: E402
+from .normalize import normalize  # noqa: E402
+from .layout import ResolvedLayout, resolve_layout  # noqa: E402
+from .planner import plan  # noqa: E402
 
-__all__ = ["InputError", "Issue", "SMPConfigError", "KeyNote", "Layout", "Plan", "SMPConfig", *_LAZY]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = [
+    "InputError",
+    "Issue",
+    "SMPConfigError",
+    "KeyNote",
+    "Layout",
+    "Plan",
+    "SMPConfig",
+    "load_document",
+    "parse_json_text",
+    "validate",
+    "normalize",
+    "ResolvedLayout",
+    "resolve_layout",
+    "plan",
+]
