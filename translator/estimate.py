@@ -1,0 +1,196 @@
+"""Per-rank model-state memory and communication volume per optimizer step, by formula.
+
+The formulas are mapping-anchors.md section 1.2 (a standard ring alpha-beta model, derived, not
+measured): Psi parameters; M = bytes of one copy of the parameters a rank's data-parallel group
+handles (Psi / (pp*tp) parameters x 2 bytes for fp16/bf16, 4 for fp32); s = micro-batches per
+optimizer step; a ring all-gather or reduce-scatter over g ranks moves (g-1)/g x M per rank, an
+all-reduce 2(g-1)/g x M. Model states are 16 bytes per parameter for Adam in both mixed
+precision (2 params + 2 grads + 12 fp32 master/momentum/variance) and fp32 (4 + 4 + 8).
+
+* DDP (ZeRO-0): everything replicated; one gradient all-reduce per step.
+* ZeRO-1 (shard_optimizer_state): optimizer state / N; reduce-scatter + all-gather per step.
+* ZeRO-3 over all N data-parallel ranks: all / N; per micro-batch all-gather (forward),
+  all-gather (backward), reduce-scatter: 3s(N-1)/N x M.
+* MiCS (S = shard size, R = N/S): all / S; 3s(S-1)/S x M inside the shard group plus one
+  all-reduce of the M/S partition across the replica group, 2(R-1)/R x M/S. With a hierarchical
+  all-gather (a shard group over k nodes of n ranks) the parameter gather is an inter-node stage
+  ((k-1) x M/S per rank) then an intra-node stage ((n-1)/n x M).
+
+``cross_node_bytes_per_rank`` adds the traffic of every collective whose group spans nodes: an
+upper bound, exact when each member of such a group sits on its own node (replica groups with
+S = ranks per node, the inter-node gather stage). Tensor/pipeline-parallel traffic (activations)
+is not included: it depends on the model, not on the parameter count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .model import Layout, Plan, SMPConfig
+from .topology import Topology
+
+BYTES_PER_PARAM_STATES = 16
+
+
+def estimate(
+    plan_or_config: Plan | SMPConfig, n_params: float, *, layout: Layout | None = None
+) -> dict[str, Any]:
+    """Memory and communication figures for the plan's layout and ``n_params`` parameters.
+
+    Accepts a Plan, or an SMPConfig plus ``layout`` (planned here). Returns a JSON-ready dict with
+    one entry per scheme (``ddp``, ``zero1``, ``zero3``, and ``mics`` when S > 1) and the scheme
+    the plan selected.
+    """
+    if n_params <= 0:
+        raise ValueError(f"n_params must be positive, got {n_params!r}")
+    if isinstance(plan_or_config, SMPConfig):
+        from .planner import plan as make_plan  # deferred: the planner imports many modules
+
+        plan_or_config = make_plan(plan_or_config, layout)
+    topo_dict = plan_or_config.topology
+    ds = plan_or_config.deepspeed
+    topo = Topology(
+        pp=topo_dict["pipeline_parallel_degree"],
+        tp=topo_dict["tensor_parallel_degree"],
+        rdp=topo_dict["rdp_degree"],
+        placement=topo_dict["placement"],
+    )
+    rpn = int(topo_dict["ranks_per_node"])
+    shard = int(topo_dict["sharded_data_parallel_degree"])
+    steps = int(ds.get("gradient_accumulation_steps", 1))
+    half = ds.get("fp16", {}).get("enabled") or ds.get("bf16", {}).get("enabled")
+    width = 2 if half else 4
+    per_slice = float(n_params) / (topo.pp * topo.tp)
+    copy = per_slice * width
+    states = per_slice * BYTES_PER_PARAM_STATES
+    n = topo.rdp
+    rdp_spans = _spans(topo.groups("rdp")[0], rpn)
+    schemes: dict[str, Any] = {
+        "ddp": _scheme(
+            states, states, [_hop("gradient all-reduce", "all_reduce", n, 1, 2 * _ring(n) * copy, rdp_spans)]
+        ),
+        "zero1": _scheme(
+            states,
+            2 * width * per_slice + (BYTES_PER_PARAM_STATES - 2 * width) * per_slice / n,
+            [
+                _hop("gradient reduce-scatter", "reduce_scatter", n, 1, _ring(n) * copy, rdp_spans),
+                _hop("parameter all-gather", "all_gather", n, 1, _ring(n) * copy, rdp_spans),
+            ],
+        ),
+        "zero3": _scheme(states, states / n, _sharded_hops(n, steps, copy, rdp_spans)),
+    }
+    if shard > 1:
+        schemes["mics"] = _mics(topo, shard, rpn, steps, copy, states, bool(_hierarchical(plan_or_config)))
+    selected = "mics" if shard > 1 else {0: "ddp", 1: "zero1"}.get(ds["zero_optimization"]["stage"], "zero3")
+    return {
+        "n_params": float(n_params),
+        "bytes_per_param_copy": width,
+        "gradient_accumulation_steps": steps,
+        "data_parallel_size": n,
+        "shard_size": shard,
+        "ranks_per_node": rpn,
+        "model_states_bytes_unsharded": states,
+        "selected": selected,
+        "schemes": schemes,
+        "assumptions": [
+            "Adam, 16 bytes of model state per parameter; activations and buffers not included",
+            "ring collectives; cross-node bytes count every collective whose group spans nodes (upper bound)",
+            "tensor/pipeline parallelism divides the parameters evenly; its activation traffic is excluded",
+        ],
+    }
+
+
+def _ring(group: int) -> float:
+    return (group - 1) / group if group > 1 else 0.0
+
+
+def _spans(group: list[int], rpn: int) -> bool:
+    return len({rank // rpn for rank in group}) > 1
+
+
+def _hop(name: str, collective: str, group: int, per_step: int, volume: float, spans: bool) -> dict[str, Any]:
+    return {
+        "name": name,
+        "collective": collective,
+        "group_size": group,
+        "times_per_step": per_step,
+        "bytes_per_rank": volume * per_step,
+        "ring_steps": (group - 1) * per_step,
+        "spans_nodes": spans,
+    }
+
+
+def _scheme(unsharded: float, per_rank: float, hops: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "memory_bytes_per_rank": per_rank,
+        "memory_fraction": per_rank / unsharded,
+        "hops": hops,
+        "bytes_per_rank": sum(h["bytes_per_rank"] for h in hops),
+        "cross_node_bytes_per_rank": sum(h["bytes_per_rank"] for h in hops if h["spans_nodes"]),
+    }
+
+
+def _sharded_hops(group: int, steps: int, copy: float, spans: bool) -> list[dict[str, Any]]:
+    return [
+        _hop("parameter all-gather (forward)", "all_gather", group, steps, _ring(group) * copy, spans),
+        _hop("parameter all-gather (backward)", "all_gather", group, steps, _ring(group) * copy, spans),
+        _hop("gradient reduce-scatter", "reduce_scatter", group, steps, _ring(group) * copy, spans),
+    ]
+
+
+def _hierarchical(plan: Plan) -> bool:
+    return bool(plan.engine.get("mics", {}).get("hierarchical_allgather"))
+
+
+def _mics(
+    topo: Topology, shard: int, rpn: int, steps: int, copy: float, states: float, hierarchical: bool
+) -> dict[str, Any]:
+    shard_group = topo.shard_groups(shard)[0]
+    replica_group = topo.replica_groups(shard)[0]
+    replicas = len(replica_group)
+    nodes_in_shard = len({rank // rpn for rank in shard_group})
+    shard_spans = nodes_in_shard > 1
+    if hierarchical and shard_spans:
+        local = shard // nodes_in_shard
+        hops = []
+        for phase in ("forward", "backward"):
+            hops.append(
+                _hop(
+                    f"parameter all-gather ({phase}), inter-node stage",
+                    "all_gather",
+                    nodes_in_shard,
+                    steps,
+                    (nodes_in_shard - 1) * copy / shard,
+                    True,
+                )
+            )
+            hops.append(
+                _hop(
+                    f"parameter all-gather ({phase}), intra-node stage",
+                    "all_gather",
+                    local,
+                    steps,
+                    _ring(local) * copy,
+                    False,
+                )
+            )
+        hops.append(
+            _hop("gradient reduce-scatter", "reduce_scatter", shard, steps, _ring(shard) * copy, True)
+        )
+    else:
+        hops = _sharded_hops(shard, steps, copy, shard_spans)
+    hops.append(
+        _hop(
+            "replica all-reduce of the gradient partition",
+            "all_reduce",
+            replicas,
+            1,
+            2 * _ring(replicas) * copy / shard,
+            _spans(replica_group, rpn),
+        )
+    )
+    out = _scheme(states, states / shard, hops)
+    out["replicas"] = replicas
+    out["nodes_per_shard_group"] = nodes_in_shard
+    out["hierarchical_allgather"] = hierarchical and shard_spans
+    return out
