@@ -76,7 +76,8 @@ def launcher_section(
     deepspeed = ["deepspeed"]
     if nodes > 1:
         deepspeed += ["--hostfile", "hostfile", "--num_nodes", str(nodes), "--master_addr", master]
-    deepspeed += ["--num_gpus", str(ranks_per_node), "--master_port", str(master_port), script]
+    # SMP scripts do not parse --local_rank; they read LOCAL_RANK from the environment.
+    deepspeed += ["--num_gpus", str(ranks_per_node), "--master_port", str(master_port), "--no_local_rank", script]
     torchrun = [
         "torchrun",
         "--nnodes",

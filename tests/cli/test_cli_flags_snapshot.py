@@ -1,0 +1,99 @@
+"""The frozen flag set of ``smp2ds``: any added, removed or renamed flag must update this snapshot.
+
+Users script the CLI; a flag that changes by accident breaks them silently. Changing a flag is
+fine when it is deliberate, and then this file changes in the same commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from smp2ds.translator.cli import COMMANDS, build_parser
+
+SNAPSHOT: dict[str, dict[str, object]] = {
+    "smp2ds": {"options": ["--version", "-h/--help"], "positionals": ["COMMAND"]},
+    "validate": {
+        "options": ["--format{json,text}=text", "--world-size", "-h/--help"],
+        "positionals": ["FILE"],
+    },
+    "convert": {
+        "options": [
+            "--batch-size",
+            "--format{json,text}=text",
+            "--gpus-per-node",
+            "--overwrite",
+            "--to{deepspeed,launcher,megatron,plan}=deepspeed",
+            "--world-size",
+            "-h/--help",
+            "-o/--output",
+        ],
+        "positionals": ["FILE"],
+    },
+    "explain": {
+        "options": [
+            "--batch-size",
+            "--format{json,text}=text",
+            "--gpus-per-node",
+            "--params",
+            "--world-size",
+            "-h/--help",
+        ],
+        "positionals": ["FILE"],
+    },
+    "launch": {
+        "options": [
+            "--channel",
+            "--config",
+            "--dry-run",
+            "--estimator",
+            "--format{json,text}=text",
+            "--launcher{deepspeed,mpirun,torchrun}=deepspeed",
+            "--master-addr",
+            "--master-port",
+            "--nnodes=1",
+            "--node-rank=0",
+            "--nproc-per-node",
+            "--output-dir=smp2ds_output",
+            "-h/--help",
+        ],
+        "positionals": [],
+    },
+}
+
+
+def describe(parser: argparse.ArgumentParser) -> dict[str, object]:
+    """Every flag of a parser: spellings, closed choices and non-trivial defaults."""
+    options, positionals = [], []
+    for action in parser._actions:  # argparse has no public accessor for its actions
+        if isinstance(action, argparse._SubParsersAction):
+            positionals.append(action.metavar or action.dest)
+            continue
+        if not action.option_strings:
+            positionals.append(action.metavar or action.dest)
+            continue
+        text = "/".join(sorted(action.option_strings, key=len))
+        if action.choices:
+            text += "{" + ",".join(sorted(action.choices)) + "}"
+        trivial = action.default is None or action.default is False or action.default == []
+        if not trivial and action.default != argparse.SUPPRESS:
+            text += f"={action.default}"
+        options.append(text)
+    return {"options": sorted(options), "positionals": positionals}
+
+
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def test_subcommands_are_the_documented_four():
+    assert tuple(subparsers(build_parser())) == COMMANDS == ("validate", "convert", "explain", "launch")
+
+
+def test_flag_snapshot():
+    parser = build_parser()
+    current = {"smp2ds": describe(parser)}
+    current.update({name: describe(sub) for name, sub in subparsers(parser).items()})
+    assert current == SNAPSHOT

@@ -1,0 +1,449 @@
+"""``smp2ds launch -- SCRIPT ARGS``: run an unchanged SMP script the way SageMaker would start it.
+
+SageMaker's training toolkit exports the SMP parameters as ``SM_HP_MP_PARAMETERS`` and the
+``sagemaker_*`` framework keys as ``SM_FRAMEWORK_PARAMS`` (smp-config.md section 6), then runs
+mpirun. Here the same variables are set (taken from the plan's launcher section when it has
+them) and the script runs under the deepspeed launcher, torchrun or mpirun, as a subprocess
+whose exit code becomes ours. Without GPUs (no ``nvidia-smi``) the ranks run on the CPU with
+gloo (``DS_ACCELERATOR=cpu``) and a notice says so. ``--dry-run`` prints instead of running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from . import EXIT_OK, SUMMARIES, UsageError, positive_int, write_stdout
+
+LAUNCHERS: tuple[str, ...] = ("deepspeed", "torchrun", "mpirun")
+DEFAULT_MULTINODE_PORT = 29500
+
+
+class LaunchSpec:
+    """Everything a launch needs: the command line, the variables to add, messages for the user.
+
+    ``hostfile`` is (path, content) of a hostfile to write before running (deepspeed across
+    nodes); ``dirs`` are the folders the SM_* paths point at, created before running. A plain
+    class rather than a dataclass: building a dataclass costs start-up time on every command.
+    """
+
+    __slots__ = ("command", "dirs", "env", "hostfile", "notices")
+
+    def __init__(
+        self,
+        command: list[str],
+        env: dict[str, str],
+        notices: list[str] | None = None,
+        hostfile: tuple[str, str] | None = None,
+        dirs: tuple[str, ...] = (),
+    ) -> None:
+        self.command = command
+        self.env = env
+        self.notices = notices or []
+        self.hostfile = hostfile
+        self.dirs = dirs
+
+
+def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """Register ``launch`` (or build a standalone parser when ``subparsers`` is None)."""
+    description = (
+        "Run an SMP training script with the SageMaker environment (SM_HP_MP_PARAMETERS, "
+        "SM_FRAMEWORK_PARAMS, SM_HOSTS, ...) under the deepspeed launcher, torchrun or mpirun. "
+        "Usage: smp2ds launch [options] -- SCRIPT [ARGS...]  (or -- -m MODULE [ARGS...])"
+    )
+    if subparsers is None:
+        parser = argparse.ArgumentParser(prog="smp2ds launch", description=description)
+    else:
+        parser = subparsers.add_parser("launch", help=SUMMARIES["launch"], description=description)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--estimator", metavar="FILE", help="estimator spec or distribution dict (JSON)")
+    source.add_argument("--config", metavar="FILE", help="SMP parameters dict (JSON), as given to smp.init")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=positive_int,
+        metavar="N",
+        help="processes on this node (default: mpi.processes_per_host, else GPU count, else 1)",
+    )
+    parser.add_argument(
+        "--nnodes", type=positive_int, default=1, metavar="M", help="number of nodes (default 1)"
+    )
+    parser.add_argument("--node-rank", type=int, default=0, metavar="R", help="rank of this node, 0..M-1")
+    parser.add_argument("--master-addr", metavar="A", help="address of node 0 (required when --nnodes > 1)")
+    parser.add_argument(
+        "--master-port",
+        type=positive_int,
+        metavar="P",
+        help=f"rendezvous port (default: ddp_port from the config, else a free port on one node, "
+        f"{DEFAULT_MULTINODE_PORT} across nodes)",
+    )
+    parser.add_argument(
+        "--launcher", choices=LAUNCHERS, default="deepspeed", help="process launcher (default deepspeed)"
+    )
+    parser.add_argument(
+        "--output-dir",
+        metavar="DIR",
+        default="smp2ds_output",
+        help="where SM_MODEL_DIR (DIR/model) and SM_OUTPUT_DATA_DIR (DIR/output/data) point",
+    )
+    parser.add_argument(
+        "--channel",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="an input channel: sets SM_CHANNEL_<NAME>=PATH (repeatable)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the environment and command, do not run"
+    )
+    parser.add_argument("--format", choices=("text", "json"), default="text", help="--dry-run output format")
+    parser.set_defaults(handler=launch_command)
+    return parser
+
+
+def launch_command(args: argparse.Namespace) -> int:
+    """Run ``launch``: build the spec, then print it (``--dry-run``) or run it and return its code."""
+    spec = build_spec(args)
+    if args.dry_run:
+        if args.format == "json":
+            from .report import dump_json
+
+            hostfile = {"path": spec.hostfile[0], "content": spec.hostfile[1]} if spec.hostfile else None
+            write_stdout(
+                dump_json(
+                    {"command": spec.command, "env": spec.env, "notices": spec.notices, "hostfile": hostfile}
+                )
+            )
+        else:
+            from .report import render_launch_text
+
+            write_stdout(render_launch_text(spec.command, spec.env, spec.notices))
+        return EXIT_OK
+    for notice in spec.notices:
+        sys.stderr.write(f"smp2ds launch: {notice}\n")
+    sys.stderr.flush()
+    return run(spec)
+
+
+def run(spec: LaunchSpec) -> int:
+    """Create the folders and hostfile, run the launcher with our variables added, return its code."""
+    import subprocess
+
+    for folder in spec.dirs:
+        os.makedirs(folder, exist_ok=True)
+    if spec.hostfile:
+        with open(spec.hostfile[0], "w", encoding="utf-8") as handle:
+            handle.write(spec.hostfile[1])
+    env = {**os.environ, **spec.env}
+    try:
+        proc = subprocess.Popen(spec.command, env=env)
+    except FileNotFoundError as err:
+        raise UsageError(f"cannot start {spec.command[0]!r}: {err.strerror}") from None
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        # The launcher got the same SIGINT from the terminal; give it time to stop its ranks.
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+    return 128 - code if code < 0 else code
+
+
+# ---------------------------------------------------------------------------------------------
+# building the spec
+
+
+def build_spec(args: argparse.Namespace) -> LaunchSpec:
+    """Resolve the layout, plan the config for it and assemble command and environment."""
+    script = list(getattr(args, "script_argv", []) or [])
+    if not script:
+        raise UsageError(
+            "nothing to run: put the training script after `--`, e.g. `smp2ds launch -- train.py --lr 1e-3`"
+        )
+    if not 0 <= args.node_rank < args.nnodes:
+        raise UsageError(
+            f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1} for --nnodes {args.nnodes}"
+        )
+    if args.nnodes > 1 and not args.master_addr:
+        raise UsageError("--nnodes > 1 needs --master-addr (the address of node 0, the same on every node)")
+    if args.nnodes > 1 and args.launcher == "mpirun":
+        raise UsageError(
+            "mpirun across nodes needs ssh between hosts; use --launcher torchrun or deepspeed, "
+            "started once per node with --node-rank"
+        )
+    channels = _parse_channels(args.channel)
+
+    gpus = detect_gpus()
+    path = args.estimator or args.config
+    config = result = None
+    if path is not None:
+        from smp2ds.translator.load import load_document
+        from smp2ds.translator.model import Layout
+        from smp2ds.translator.normalize import normalize
+        from smp2ds.translator.planner import plan
+
+        doc = load_document(path)
+        nproc = args.nproc_per_node or _int(normalize(doc).mpi.get("processes_per_host")) or gpus or 1
+        layout = Layout(world_size=nproc * args.nnodes, gpus_per_node=nproc)
+        config = normalize(doc, layout)  # checked against the world this launch runs
+        result = plan(config, layout)
+    else:
+        nproc = args.nproc_per_node or gpus or 1
+
+    notices = _notices(config, gpus, nproc, args.nnodes)
+    addr = args.master_addr or "127.0.0.1"
+    ddp_port = _int(config.given.get("ddp_port")) if config is not None else None
+    port = args.master_port or ddp_port or (DEFAULT_MULTINODE_PORT if args.nnodes > 1 else free_port())
+    env = sagemaker_env(
+        config,
+        result,
+        nproc=nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        gpus=gpus,
+        script=script,
+        output_dir=args.output_dir,
+        channels=channels,
+    )
+    env.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port)})
+    if gpus == 0:
+        env["DS_ACCELERATOR"] = "cpu"
+    hostfile = None
+    if args.launcher == "deepspeed" and args.nnodes > 1:
+        hostfile = (
+            os.path.join(args.output_dir, "hostfile"),
+            "".join(f"algo-{i + 1} slots={nproc}\n" for i in range(args.nnodes)),
+        )
+    command = launcher_command(
+        args.launcher,
+        script,
+        nproc=nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        addr=addr,
+        port=port,
+        env_names=sorted(env),
+        hostfile=hostfile and hostfile[0],
+    )
+    dirs = tuple(
+        env[k] for k in ("SM_MODEL_DIR", "SM_OUTPUT_DATA_DIR", "SM_OUTPUT_INTERMEDIATE_DIR") if k in env
+    )
+    return LaunchSpec(
+        command=command, env=dict(sorted(env.items())), notices=notices, hostfile=hostfile, dirs=dirs
+    )
+
+
+def _notices(config: Any, gpus: int, nproc: int, nnodes: int) -> list[str]:
+    notes = []
+    if gpus == 0:
+        notes.append(
+            f"no GPU found (nvidia-smi); running {nproc} process(es) per node on the CPU "
+            "with the gloo backend (DS_ACCELERATOR=cpu)"
+        )
+    elif nproc > gpus:
+        notes.append(f"{nproc} processes per node but only {gpus} GPU(s) visible")
+    if config is not None and config.strategy == "dataparallel":
+        notes.append(
+            "smdistributed.dataparallel runs as plain data parallelism (torch.distributed); "
+            "sagemaker_distributed_dataparallel_enabled is false so scripts do not look for SMDDP"
+        )
+    if config is not None and config.instance_count and config.instance_count != nnodes:
+        notes.append(
+            f"the estimator asks for {config.instance_count} x {config.instance_type}; "
+            f"running {nnodes} node(s) x {nproc} process(es) here (config checked for this world)"
+        )
+    return notes
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _parse_channels(items: list[str]) -> dict[str, str]:
+    channels: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UsageError(f"--channel expects NAME=PATH, got {item!r}")
+        channels[name] = os.path.abspath(path)
+    return channels
+
+
+def detect_gpus() -> int:
+    """GPUs this process may use, without importing torch.
+
+    ``SMP2DS_NUM_GPUS`` overrides; otherwise ``nvidia-smi --list-gpus`` (as the SageMaker toolkit
+    counts them), narrowed by ``CUDA_VISIBLE_DEVICES``; no ``nvidia-smi`` means no GPU.
+    """
+    forced = os.environ.get("SMP2DS_NUM_GPUS")
+    if forced is not None and forced.strip().isdigit():
+        return int(forced)
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "--list-gpus"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    count = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]
+        count = min(count, len(ids))
+    return count
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host right now (one node only: no shared port needed)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _encode(value: Any) -> str:
+    # The SageMaker toolkit exports strings as-is and everything else as compact sorted JSON.
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def sagemaker_env(
+    config: Any,
+    result: Any,
+    *,
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    gpus: int,
+    script: list[str],
+    output_dir: str,
+    channels: dict[str, str],
+) -> dict[str, str]:
+    """The SM_* variables a SageMaker training container would export for this launch.
+
+    SMP's own variables (``SM_HP_*`` incl. ``SM_HP_MP_PARAMETERS``, ``SM_HPS``,
+    ``SM_FRAMEWORK_PARAMS``) come from the plan's launcher section; what describes *this*
+    machine (hosts, GPUs, output folders, channels, the script) is filled in here.
+    """
+    env: dict[str, str] = {}
+    if result is not None:
+        env.update({str(k): _encode(v) for k, v in (result.launcher.get("env") or {}).items()})
+    framework = (
+        json.loads(env["SM_FRAMEWORK_PARAMS"])
+        if "SM_FRAMEWORK_PARAMS" in env
+        else {
+            "sagemaker_distributed_dataparallel_enabled": False,
+            "sagemaker_mpi_custom_mpi_options": "",
+            "sagemaker_mpi_enabled": True,
+        }
+    )
+    # smdistributed.dataparallel runs as plain torch.distributed data parallelism here: scripts
+    # (and Hugging Face's Trainer) must not go looking for the SMDDP library.
+    framework["sagemaker_distributed_dataparallel_enabled"] = False
+    framework["sagemaker_mpi_num_of_processes_per_host"] = nproc
+    framework.setdefault(
+        "sagemaker_instance_type", (config.instance_type if config is not None else None) or "local"
+    )
+    hosts = [f"algo-{i + 1}" for i in range(nnodes)]
+    out_dir = os.path.abspath(output_dir)
+    module = script[0] == "-m"
+    env.update(
+        {
+            "SM_FRAMEWORK_PARAMS": _encode(framework),
+            "SM_HOSTS": _encode(hosts),
+            "SM_CURRENT_HOST": hosts[node_rank],
+            "SM_RESOURCE_CONFIG": _encode({"current_host": hosts[node_rank], "hosts": hosts}),
+            "SM_NUM_GPUS": str(gpus),
+            "SM_NUM_CPUS": str(os.cpu_count() or 1),
+            "SM_NETWORK_INTERFACE_NAME": "lo"
+            if nnodes == 1
+            else os.environ.get("SM_NETWORK_INTERFACE_NAME", "eth0"),
+            "SM_USER_ENTRY_POINT": script[1] if module else script[0],
+            "SM_USER_ARGS": _encode(script[2:] if module else script[1:]),
+            "SM_LOG_LEVEL": "20",
+            "SM_MODEL_DIR": os.environ.get("SM_MODEL_DIR", os.path.join(out_dir, "model")),
+            "SM_OUTPUT_DIR": os.environ.get("SM_OUTPUT_DIR", os.path.join(out_dir, "output")),
+            "SM_OUTPUT_DATA_DIR": os.environ.get(
+                "SM_OUTPUT_DATA_DIR", os.path.join(out_dir, "output", "data")
+            ),
+            "SM_OUTPUT_INTERMEDIATE_DIR": os.environ.get(
+                "SM_OUTPUT_INTERMEDIATE_DIR", os.path.join(out_dir, "output", "intermediate")
+            ),
+            "SM_CHANNELS": _encode(sorted(channels)),
+        }
+    )
+    env.setdefault("SM_HPS", "{}")
+    env.setdefault("SM_CURRENT_INSTANCE_TYPE", framework["sagemaker_instance_type"])
+    for name, path in channels.items():
+        env[f"SM_CHANNEL_{name.upper()}"] = path
+    return env
+
+
+def _tool(name: str, module: str) -> list[str]:
+    # The launcher next to this interpreter, never one from another Python found on PATH.
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    return [beside] if os.access(beside, os.X_OK) else [sys.executable, "-m", module]
+
+
+def launcher_command(
+    launcher: str,
+    script: list[str],
+    *,
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    addr: str,
+    port: int,
+    env_names: list[str],
+    hostfile: str | None,
+) -> list[str]:
+    """The command line for ``launcher`` running ``script`` (``[path, args...]`` or ``["-m", mod, args...]``)."""
+    module = script[0] == "-m"
+    target = script[1:] if module else script
+    if not target:
+        raise UsageError("`-m` needs a module name after it")
+    if launcher == "deepspeed":
+        cmd = _tool("deepspeed", "deepspeed.launcher.runner") + ["--num_gpus", str(nproc)]
+        if nnodes > 1:
+            cmd += [
+                "--hostfile",
+                str(hostfile),
+                "--num_nodes",
+                str(nnodes),
+                "--no_ssh",
+                "--node_rank",
+                str(node_rank),
+                "--master_addr",
+                addr,
+            ]
+        # SMP scripts never parsed --local_rank; DeepSpeed still exports LOCAL_RANK.
+        cmd += ["--master_port", str(port), "--no_local_rank"]
+        return cmd + (["--module"] if module else []) + target
+    if launcher == "torchrun":
+        cmd = _tool("torchrun", "torch.distributed.run") + [
+            "--nproc-per-node",
+            str(nproc),
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            str(node_rank),
+            "--master-addr",
+            addr,
+            "--master-port",
+            str(port),
+        ]
+        return cmd + (["--module"] if module else []) + target
+    import shutil
+
+    mpirun = shutil.which("mpirun") or "mpirun"
+    cmd = [mpirun, "--allow-run-as-root", "-np", str(nproc), "--oversubscribe", "--bind-to", "none"]
+    for name in env_names:
+        cmd += ["-x", name]
+    return cmd + [sys.executable] + (["-m"] if module else []) + target

@@ -1,0 +1,81 @@
+"""``smp2ds validate FILE``: report every problem of an SMP configuration at once.
+
+Exit 0 when valid, 1 with the full list of issues otherwise. The verdict goes to stdout (it is
+this command's output); ``--world-size`` adds the world-size arithmetic to the checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from . import (
+    EXIT_INVALID,
+    EXIT_OK,
+    SUMMARIES,
+    add_file_arg,
+    add_format_arg,
+    add_layout_args,
+    layout_from_args,
+    source_name,
+    write_stdout,
+)
+
+
+def validate_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """Register ``validate`` (or build a standalone parser when ``subparsers`` is None)."""
+    description = "Check an SMP configuration and print every problem with its JSON pointer."
+    if subparsers is None:
+        parser = argparse.ArgumentParser(prog="smp2ds validate", description=description)
+    else:
+        parser = subparsers.add_parser("validate", help=SUMMARIES["validate"], description=description)
+    add_file_arg(parser)
+    add_layout_args(parser, gpus=False, batch=False)
+    add_format_arg(parser)
+    parser.set_defaults(handler=validate_command)
+    return parser
+
+
+def validate_command(args: argparse.Namespace) -> int:
+    """Run ``validate``; returns 0 (valid) or 1 (invalid)."""
+    from smp2ds.translator.issues import SMPConfigError
+    from smp2ds.translator.load import load_document
+    from smp2ds.translator.validate import validate
+
+    from . import report
+
+    source = source_name(args.file)
+    layout = layout_from_args(args)
+    try:
+        doc = load_document(args.file)
+        issues = list(validate(doc, layout))
+        summary = _summary(doc, layout) if not issues else None
+    except SMPConfigError as err:  # malformed JSON, duplicate keys, or normalize's own checks
+        issues = list(err.issues)
+        summary = None
+    if issues:
+        if args.format == "json":
+            write_stdout(report.render_issues_json(issues, source))
+        else:
+            write_stdout(report.render_issues_text(issues, source))
+        return EXIT_INVALID
+    if args.format == "json":
+        write_stdout(report.dump_json({"source": source, "valid": True, "issues": [], **(summary or {})}))
+    else:
+        details = ", ".join(f"{k} {v}" for k, v in (summary or {}).items())
+        write_stdout(f"{source}: valid SMP configuration ({details})\n")
+    return EXIT_OK
+
+
+def _summary(doc: Any, layout: Any) -> dict[str, Any]:
+    """What the valid document is, from `normalize` (which also re-checks the cross-key rules)."""
+    from smp2ds.translator.normalize import normalize
+
+    cfg = normalize(doc, layout)
+    out: dict[str, Any] = {"kind": cfg.kind, "strategy": cfg.strategy, "smp_version": cfg.smp_version}
+    if cfg.instance_type:
+        out["instance_type"] = cfg.instance_type
+    if cfg.instance_count:
+        out["instance_count"] = cfg.instance_count
+    out["keys_given"] = len(cfg.given)
+    return out
