@@ -88,7 +88,9 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
     ),
     "active_microbatches": (
         _r("engine", "/engine/pipeline/active_microbatches",
-           "cap on micro-batches in flight; DeepSpeed's pipeline schedule has no such setting", "pipeline"),
+           "cap on micro-batches in flight: 1F1B already keeps at most min(pp, microbatches) in flight, so a cap "
+           "at or above that is met as is; a smaller cap runs all-forward-then-backward groups of that size "
+           "(exact cap, larger bubble)", "pipeline"),
         _NO_PIPE,
     ),
     "pipeline": (

@@ -1,0 +1,137 @@
+"""Glue between ``DistributedModel`` and the pipeline engine (``smp2ds.engine.pipeline``).
+
+The pipeline runner owns the micro-batch loop (DeepSpeed's pipeline schedule), the model call
+and the recorded loss; this backend maps the SMP objects' calls onto it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import comm
+from .backend import DataParallelBackend
+from .ds_config import LossScaleArgs, fp16_block, precision
+
+
+class PipelineBackend(DataParallelBackend):
+    """``pipeline_parallel_degree`` stages on DeepSpeed's ``PipelineEngine`` (via ``PipelineRunner``)."""
+
+    name = "pipeline"
+    cast_io = False
+
+    def __init__(self, module: Any, *, state: Any, microbatches: int):
+        from smp2ds.engine import pipeline
+
+        super().__init__(module, dict(state.plan.deepspeed), microbatches=microbatches)
+        self.runner = pipeline.build_pipeline(module, state.config, state.groups.topology, dict(state.plan.deepspeed))
+        self._state = state
+        self._calls = 0
+
+    # engine / optimizer live in the runner
+    @property
+    def engine(self) -> Any:  # type: ignore[override]
+        return getattr(self, "runner", None) and self.runner.engine
+
+    @engine.setter
+    def engine(self, value: Any) -> None:
+        pass
+
+    @property
+    def ds_optimizer(self) -> Any:  # type: ignore[override]
+        return self.runner.optimizer if hasattr(self, "runner") else None
+
+    @ds_optimizer.setter
+    def ds_optimizer(self, value: Any) -> None:
+        pass
+
+    @property
+    def precision(self) -> str:
+        return precision(self.plan_ds)
+
+    def build(self, optimizer: Any = None, loss_scale: LossScaleArgs | None = None) -> None:
+        if optimizer is None:
+            return
+        fp16 = self.runner.ds_config.get("fp16")
+        if isinstance(fp16, dict) and fp16.get("enabled") and loss_scale is not None:
+            self.runner.ds_config["fp16"] = {**fp16, **fp16_block(loss_scale)}
+        self.runner.attach_optimizer(optimizer)
+        self.has_optimizer = True
+
+    def ensure_built(self) -> None:
+        pass
+
+    def train(self, mode: bool) -> None:
+        self.runner.train(mode)
+
+    def run_step(self, model: Any, step_fn: Any, args: tuple, kwargs: dict) -> list[Any]:
+        pieces = step_fn.split(args, kwargs, self.microbatches)
+        training = self.runner.training and torch.is_grad_enabled()
+        reduce = True
+        if training:
+            self._calls += 1
+            reduce = self._calls >= model.backward_passes_per_step
+            if reduce:
+                self._calls = 0
+        self._state.in_step = True
+        try:
+            return self.runner.run_step(step_fn.func, pieces, reduce_grads=reduce)
+        finally:
+            self._state.in_step = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.runner(*args, **kwargs)
+
+    def step_backward(self, tensors: Any, grad_tensors: Any, microbatches: int, average: bool) -> None:
+        self.runner.backward(tensors, grad_tensors)  # the runner's schedule applies 1/microbatches
+
+    def sync_gradients(self) -> None:
+        pass  # reduce_grads in run_step
+
+    def optimizer_step(self) -> None:
+        try:
+            self.runner.optimizer_step()
+        finally:
+            if self._clip_restore is not None:
+                self._clip_restore()
+                self._clip_restore = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.runner.zero_grad()
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        if self.zero_stage >= 1:
+            return super().grad_norm(norm_type)
+        grads = [p.grad.detach().float() for _, p in self.runner.local_named_parameters() if p.grad is not None]
+        local = sum((torch.linalg.vector_norm(g, 2) ** 2 for g in grads), torch.tensor(0.0))
+        comm.all_reduce(local, group=self._state.groups.group("pp"))
+        return local.sqrt() / self.loss_scale
+
+    def clip_for_next_step(self, max_norm: float, norm: torch.Tensor) -> None:
+        if self.precision == "fp32" and self.zero_stage == 0:
+            if torch.isfinite(norm) and float(norm) > max_norm:
+                coef = max_norm / (float(norm) + 1e-6)
+                for _, p in self.runner.local_named_parameters():
+                    if p.grad is not None:
+                        p.grad.detach().mul_(coef)
+            return
+        super().clip_for_next_step(max_norm, norm)
+
+    def full_state_dict(self, prefix: str = "", keep_vars: bool = False) -> dict:
+        return {prefix + k: v for k, v in self.runner.state_dict().items()}
+
+    def local_state_dict(self, prefix: str = "", keep_vars: bool = False) -> dict:
+        return {prefix + k: v for k, v in self.runner.local_state_dict().items()}
+
+    def load_module_state_dict(self, sd: dict, strict: bool = True) -> Any:
+        return self.runner.load_state_dict(sd, strict=strict)
+
+    def refresh_master_params(self) -> None:
+        pass  # runner.load_state_dict refreshes DeepSpeed's master copy itself
+
+    def local_named_parameters(self) -> Any:
+        return self.runner.local_named_parameters()
+
+    def local_modules(self) -> Any:
+        return self.runner.local_modules()

@@ -1,0 +1,57 @@
+"""The ``mpu`` object handed to ``deepspeed.initialize`` for MiCS.
+
+DeepSpeed asks an mpu (Megatron-style "model parallel unit") for its data-parallel group and
+partitions ZeRO-3 state over it. Answering with the *shard* group makes DeepSpeed's own ZeRO-3
+shard inside the shard group only; model-parallel queries answer a one-rank group (size 1,
+rank 0) because MiCS here runs without tensor or pipeline parallelism. The object deliberately
+has no ``initialize_sequence_parallel`` / ``get_sequence_*`` methods: DeepSpeed then falls back
+to the data-parallel answers (deepspeed/utils/groups.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from .groups import MicsGroups
+
+
+class ShardGroupMPU:
+    """Data parallel = this rank's shard group; model/tensor/pipeline parallel = just this rank."""
+
+    def __init__(self, groups: MicsGroups) -> None:
+        self._groups = groups
+
+    # data parallel: the shard group
+    def get_data_parallel_group(self) -> Any:
+        return self._groups.shard_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._groups.shard_size
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(group=self._groups.shard_group)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self._groups.layout.shard_ranks)
+
+    # model parallel (and its tensor / pipeline flavours): a group of one
+    def get_model_parallel_group(self) -> Any:
+        return self._groups.self_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_pipeline_model_parallel_group = get_model_parallel_group
+    get_pipeline_model_parallel_world_size = get_model_parallel_world_size
+    get_pipeline_model_parallel_rank = get_model_parallel_rank
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return dist.get_rank()

@@ -1,0 +1,81 @@
+"""Pipeline parallelism (SMP ``pipeline_parallel_degree > 1``) on DeepSpeed's pipeline engine.
+
+Integration surface for the engine core (``smp.init`` / ``DistributedModel`` / ``smp.step`` /
+``DistributedOptimizer``)::
+
+    from smp2ds.engine import pipeline
+
+    # smp.init: let smp.partition(i) reject indices >= pp immediately
+    pipeline.configure_partitions(cfg.pipeline_parallel_degree)
+
+    # DistributedModel(module) when pp > 1 (collective over the world: creates groups)
+    runner = pipeline.build_pipeline(module, cfg, topology, plan.deepspeed)
+    #   cfg: SMPConfig (or a dict of SMP keys); topology: smp2ds.translator.topology.Topology
+    #   -> raises SMPConfigError (ZeRO-2/3, tp > 1, bad keys), UnsupportedModelError (no layer list)
+
+    # DistributedOptimizer(opt): keep this stage's parameters; before the first step
+    runner.attach_optimizer(opt)
+    runner.optimizer                 # the optimizer DeepSpeed steps (ZeRO-1 wrapper if sharded)
+
+    # smp.step: split inputs into micro-batches, then
+    per_mb = runner.run_step(fn, [(args_i, kwargs_i) for each micro-batch], reduce_grads=True)
+    #   -> list (one entry per micro-batch) of fn's return values, detached, identical on every
+    #      rank of the pipeline; build StepOutput from it. runner.last_losses: per-micro-batch
+    #      losses given to model.backward, also on every pipeline rank.
+
+    # inside fn: DistributedModel.__call__ -> runner(*a, **k); DistributedModel.backward -> runner.backward(loss)
+    # optimizer.step() -> runner.optimizer_step();  optimizer.zero_grad() -> runner.zero_grad()
+    # model.train()/eval() -> runner.train(mode)
+    # state: runner.state_dict() (full; collective over the pipeline group), runner.local_state_dict(),
+    #        runner.load_state_dict(sd, strict), runner.local_named_parameters(), runner.local_modules()
+    # explain/log: runner.partition.describe() (one line), runner.partition.to_dict(),
+    #              runner.settings.schedule.note (which schedule, active_microbatches' fate)
+
+Supported step functions: ``out = model(...)`` then a loss computed from ``out`` (any code) or
+taken from it (Hugging Face ``labels`` -> ``out.loss``), then ``model.backward(loss)``; one
+model call per step function. See `runner` for what runs where.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .layers import SUPPORTED, LayerList, PipeLayer, UnsupportedModelError, build_layer_list
+from .manual import clear as clear_partitions
+from .manual import configure as configure_partitions
+from .manual import partition, set_partition
+from .runner import PipelineRunner
+from .settings import PipelineSettings, ScheduleChoice, choose_schedule
+from .split import PartitionPlan, StageInfo, plan_partition
+
+__all__ = [
+    "SUPPORTED",
+    "LayerList",
+    "PartitionPlan",
+    "PipeLayer",
+    "PipelineRunner",
+    "PipelineSettings",
+    "ScheduleChoice",
+    "StageInfo",
+    "UnsupportedModelError",
+    "build_layer_list",
+    "build_pipeline",
+    "choose_schedule",
+    "clear_partitions",
+    "configure_partitions",
+    "partition",
+    "plan_partition",
+    "set_partition",
+]
+
+
+def build_pipeline(model: Any, cfg: Any, topology: Any, ds_config: dict | None = None) -> PipelineRunner:
+    """Split ``model`` into pipeline stages and return the runner that trains it.
+
+    Must be called on every rank at the same point (it creates process groups). ``ds_config``
+    is the DeepSpeed config from the Plan; its batch keys are filled in at the first step, when
+    the micro-batch size is known.
+    """
+    ds_config = dict(ds_config or {})
+    settings = PipelineSettings.from_config(cfg, ds_config)
+    return PipelineRunner(model, settings, topology, ds_config)

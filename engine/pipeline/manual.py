@@ -1,0 +1,113 @@
+"""Manual stage assignment: ``smp.partition(i)`` and ``smp.set_partition(module, i)``.
+
+SMP semantics (smp-torch-api.md section 7): modules *created* inside ``with smp.partition(i):``
+belong to partition ``i`` (innermost context wins); ``set_partition`` assigns an existing module
+and, by default, its children; modules outside any context follow their nearest assigned
+ancestor, else ``default_partition``. Both only take effect with ``auto_partition: false``.
+
+Creation is observed by wrapping ``torch.nn.Module.__init__`` while (and only while) a
+partition context is open: every module runs it first thing in its constructor, so a module is
+tagged with the innermost open context at the moment it is created, parameterless ones
+included. Tags live in weak dictionaries, so they never keep a module alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+
+from torch import nn
+
+from ..exceptions import InvalidPartitionIDError
+
+_lock = threading.Lock()
+_stack: list[int] = []
+_original_init: list = []
+_context_tags: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+_explicit: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+_num_stages: int | None = None
+
+
+def configure(num_stages: int | None) -> None:
+    """Tell the registry how many stages exist, so out-of-range indices fail immediately.
+
+    The engine calls this from ``smp.init`` (``None`` turns the check off again).
+    """
+    global _num_stages
+    _num_stages = num_stages
+
+
+def _check_index(index: object) -> int:
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise InvalidPartitionIDError(f"partition index must be an int >= 0, got {index!r}")
+    if _num_stages is not None and index >= _num_stages:
+        raise InvalidPartitionIDError(
+            f"partition index {index} is out of range: pipeline_parallel_degree is {_num_stages}, "
+            f"so partitions are 0..{_num_stages - 1}")
+    return index
+
+
+def _tagging_init(self: nn.Module, *args: object, **kwargs: object) -> None:
+    _original_init[0](self, *args, **kwargs)
+    if _stack and self not in _context_tags:
+        _context_tags[self] = _stack[-1]
+
+
+@contextlib.contextmanager
+def partition(index: int) -> Iterator[None]:
+    """Context manager: modules created inside go to pipeline partition ``index``."""
+    index = _check_index(index)
+    with _lock:
+        if not _stack:
+            _original_init.append(nn.Module.__init__)
+            nn.Module.__init__ = _tagging_init  # type: ignore[method-assign]
+        _stack.append(index)
+    try:
+        yield
+    finally:
+        with _lock:
+            _stack.pop()
+            if not _stack:
+                nn.Module.__init__ = _original_init.pop()  # type: ignore[method-assign]
+
+
+def set_partition(module: nn.Module, index: int, recurse: bool = True) -> None:
+    """Assign ``module`` (and with ``recurse`` all its descendants) to partition ``index``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"set_partition expects a torch.nn.Module, got {type(module).__name__}")
+    index = _check_index(index)
+    targets = module.modules() if recurse else [module]
+    for m in targets:
+        _explicit[m] = index
+
+
+def assigned(module: nn.Module) -> int | None:
+    """The partition given to this very module (set_partition beats a context), else None."""
+    if module in _explicit:
+        return _explicit[module]
+    return _context_tags.get(module)
+
+
+def effective_partitions(root: nn.Module, default: int) -> dict[int, int]:
+    """``id(module) -> partition`` for every module under ``root`` (inherit from the parent)."""
+    out: dict[int, int] = {}
+
+    def visit(module: nn.Module, inherited: int) -> None:
+        own = assigned(module)
+        part = inherited if own is None else own
+        if id(module) in out:
+            return
+        out[id(module)] = part
+        for child in module.children():
+            visit(child, part)
+
+    visit(root, default)
+    return out
+
+
+def clear() -> None:
+    """Forget every assignment (tests and ``smp.reset``)."""
+    _context_tags.clear()
+    _explicit.clear()

@@ -1,0 +1,56 @@
+"""Failures end the job quickly and are reported once, naming the rank (real processes)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from smp2ds.engine.watchdog import RANK_LOST_EXIT_CODE
+
+from tests.engine.proc_launch import run_script
+
+HERE = os.path.dirname(__file__)
+TIMEOUT = 4.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,victim,how", [(4, 2, "kill"), (2, 1, "raise")])
+def test_when_one_rank_dies_the_others_exit_in_bounded_time_naming_it(tmp_path, world, victim, how):
+    mark = str(tmp_path / "died_at")
+    runs = run_script(os.path.join(HERE, "scripts", "fault_train.py"), world, [str(victim), how],
+                      env={"SMP2DS_COMM_TIMEOUT": str(TIMEOUT), "FAULT_MARK": mark}, timeout_s=180)
+    with open(mark) as handle:
+        died_at = float(handle.read())
+    survivors = [r for r in runs if r.rank != victim]
+    for r in survivors:
+        assert r.returncode == RANK_LOST_EXIT_CODE, (r.rank, r.returncode, r.stderr[-2000:])
+        expected = f"rank {victim} lost: no heartbeat" if how == "kill" else f"rank {victim} failed: ValueError"
+        assert expected in r.stderr, r.stderr[-2000:]
+        # bounded: the heartbeat timeout plus a few polling intervals, not a collective timeout
+        assert r.ended_at - died_at < TIMEOUT + 10, (r.rank, r.ended_at - died_at)
+    if how == "raise":
+        victim_run = runs[victim]
+        assert victim_run.returncode == 1 and "deliberate failure" in victim_run.stderr
+
+
+@pytest.mark.slow
+def test_config_error_is_reported_once_without_tracebacks():
+    bad = '{"microbatches": 0, "pipeline_parallel_degree": 3}'
+    runs = run_script(os.path.join(HERE, "scripts", "init_only.py"), 2, env={"SM_HP_MP_PARAMETERS": bad},
+                      timeout_s=120)
+    text = "".join(r.stderr for r in runs)
+    assert [r.returncode for r in runs] == [1, 1]
+    assert text.count("invalid SMP configuration") == 1, text
+    assert "Traceback" not in text, text
+    assert "/microbatches: must be >= 1 (given: 0)" in text
+
+
+@pytest.mark.slow
+def test_config_error_on_one_rank_only_stops_every_rank_and_is_reported_once():
+    runs = run_script(os.path.join(HERE, "scripts", "init_only.py"), 2,
+                      rank_env={1: {"SM_HP_MP_PARAMETERS": '{"microbatchez": 2}'}}, timeout_s=120)
+    text = "".join(r.stderr for r in runs)
+    assert [r.returncode for r in runs] == [1, 1], text
+    assert text.count("invalid SMP configuration") == 1 and "found on rank(s) [1]" in text, text
+    assert "microbatchez" in text and "Traceback" not in text
+    assert runs[1].stderr.count("invalid SMP configuration") == 1  # printed by the rank that has it
