@@ -36,7 +36,9 @@ class MicsBackend(DataParallelBackend):
         return True
 
     def param_shard_rank(self) -> int:
-        return self.groups.layout.shard_index if hasattr(self.groups.layout, "shard_index") else 0
+        # Position inside this rank's shard group (SMP's param_shard_rank), which is the index
+        # of the replica group it belongs to -- not the index of its shard group.
+        return self.groups.layout.replica_index
 
     def param_shard_size(self) -> int:
         return self.groups.shard_size
@@ -61,14 +63,10 @@ class MicsBackend(DataParallelBackend):
     local_state_dict = full_state_dict
 
     def load_module_state_dict(self, sd: dict, strict: bool = True) -> Any:
-        import deepspeed
-
+        # The MiCS package gathers inside the shard group (modifier rank is a shard-group rank)
+        # and refreshes DeepSpeed's fp32 master partitions from the loaded weights.
         self.ensure_built()
-        leader = self.groups.layout.shard_ranks[0]
-        params = list(self.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=leader):
-            result = self.module.load_state_dict(sd, strict=strict)
-        return result
+        return self._mics.load_full_state_dict(self.engine, sd, strict=strict)
 
     def optimizer_partition(self) -> tuple[int, int]:
         ranks = list(self.groups.layout.shard_ranks)

@@ -29,7 +29,7 @@ def _data():
     return torch.randn(STEPS, 4, MICRO_PER_RANK, 8, generator=g), torch.randn(STEPS, 4, MICRO_PER_RANK, 4, generator=g)
 
 
-def _smp_script() -> tuple[list[bool], dict]:
+def _smp_script() -> tuple[list[bool], dict, tuple[int, int], float, float]:
     import torch
 
     import smdistributed.modelparallel.torch as smp
@@ -54,7 +54,21 @@ def _smp_script() -> tuple[list[bool], dict]:
         opt.zero_grad()
         train_step(model, x[s, smp.dp_rank()], y[s, smp.dp_rank()])
         opt.step()
-    return born, {k: v.float().numpy() for k, v in model.state_dict().items()}
+    trained = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    shard_coords = (smp.param_shard_rank(), smp.param_shard_size())
+
+    # Load a full state dict (the untrained weights) on every rank, including shard group 1
+    # whose members are not global rank 0, then take one more step: it must start from the
+    # loaded weights (DeepSpeed's fp32 master partitions refreshed), so Adam moves each
+    # element by about lr at most.
+    initial = _net().state_dict()
+    model.load_state_dict(initial)
+    loaded_err = max((model.state_dict()[k] - v).abs().max().item() for k, v in initial.items())
+    opt.zero_grad()
+    train_step(model, x[0, smp.dp_rank()], y[0, smp.dp_rank()])
+    opt.step()
+    after_step_moved = max((model.state_dict()[k] - v).abs().max().item() for k, v in initial.items())
+    return born, trained, shard_coords, loaded_err, after_step_moved
 
 
 @pytest.mark.slow
@@ -72,8 +86,15 @@ def test_smp_script_with_delayed_sharded_parameters_matches_single_process():
         assert norm > 0.05  # clipping bites
         opt.step()
     ref = net.state_dict()
-    for rank, (born, sd) in enumerate(results):
+    initial = _net().state_dict()
+    for rank, (born, sd, shard_coords, loaded_err, moved) in enumerate(results):
         assert all(born), f"rank {rank}: parameters were not created partitioned over the shard group"
+        # Shard groups are [0, 1] and [2, 3]: the rank inside the group, and its size.
+        assert shard_coords == (rank % 2, 2), rank
+        assert loaded_err == 0.0, f"rank {rank}: loaded weights differ by {loaded_err}"
+        trained_distance = max(abs(sd[k] - initial[k.removeprefix("module.")].numpy()).max() for k in sd)
+        assert trained_distance > 0.02  # the check below can tell loaded from trained weights
+        assert moved <= 0.0105, f"rank {rank}: the step after loading started elsewhere (moved {moved})"
         assert sorted(k.removeprefix("module.") for k in sd) == sorted(ref)
         for key, value in sd.items():
             want = ref[key.removeprefix("module.")]
