@@ -13,39 +13,22 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .hf_common import bind_call, check_call, finish, long_mask, positions
+from .causal_lm import (
+    CausalLMAdapter,
+    FinalNorm,
+    Head,
+    TokenEmbedding,
+    tied_head,
+    tied_token_embedding,
+)
+from .hf_common import positions
 from .layers import LayerList, PipeLayer, tied
-
-SUPPORTED_ARGS = ("input_ids", "attention_mask", "labels")
 
 
 def matches(model: nn.Module) -> bool:
     return type(model).__name__ == "LlamaForCausalLM" and hasattr(model, "model")
-
-
-def _token_embedding(shared: nn.Module, inputs: tuple) -> tuple:
-    input_ids, mask = inputs
-    return shared.module(input_ids), mask
-
-
-def _tied_head(shared: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    return F.linear(hidden, shared.module.weight)
-
-
-class TokenEmbedding(nn.Module):
-    """``embed_tokens`` when the head is not tied."""
-
-    def __init__(self, embed: nn.Embedding):
-        super().__init__()
-        self.embed_tokens = embed
-
-    def forward(self, inputs: tuple) -> tuple:
-        input_ids, mask = inputs
-        return self.embed_tokens(input_ids), mask
 
 
 class DecoderLayer(nn.Module):
@@ -70,58 +53,14 @@ class DecoderLayer(nn.Module):
         return hidden, mask
 
 
-class FinalNorm(nn.Module):
-    """``model.norm``; drops the mask."""
-
-    def __init__(self, norm: nn.Module):
-        super().__init__()
-        self.norm = norm
-
-    def forward(self, inputs: tuple) -> torch.Tensor:
-        return self.norm(inputs[0])
-
-
-class Head(nn.Module):
-    """Untied ``lm_head``."""
-
-    def __init__(self, lm_head: nn.Linear):
-        super().__init__()
-        self.lm_head = lm_head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-
-class LlamaAdapter:
-    """``model(input_ids, attention_mask=..., labels=...)`` <-> pipeline tensors."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def pipe_inputs(self, args: tuple, kwargs: dict) -> tuple:
-        bound = bind_call(self.model, args, kwargs)
-        check_call(self.model, bound, SUPPORTED_ARGS)
-        ids = bound["input_ids"]
-        return ids, long_mask(bound.get("attention_mask"), ids)
-
-    def make_output(self, logits: torch.Tensor, args: tuple, kwargs: dict) -> Any:
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        bound = bind_call(self.model, args, kwargs)
-        check_call(self.model, bound, SUPPORTED_ARGS)
-        loss = None
-        if bound.get("labels") is not None:
-            loss = self.model.loss_function(logits=logits, labels=bound["labels"],
-                                            vocab_size=self.model.config.vocab_size)
-        return finish(CausalLMOutputWithPast(loss=loss, logits=logits), bound, self.model.config)
-
-
 def build(model: nn.Module) -> LayerList:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
     inner, config = model.model, model.config
     embed = inner.embed_tokens
     is_tied = model.lm_head.weight is embed.weight
-    first = tied("llama_embed_tokens", embed, _token_embedding) if is_tied else TokenEmbedding(embed)
-    last = tied("llama_embed_tokens", embed, _tied_head) if is_tied else Head(model.lm_head)
+    first = tied("llama_embed_tokens", embed, tied_token_embedding) if is_tied else TokenEmbedding(embed)
+    last = tied("llama_embed_tokens", embed, tied_head) if is_tied else Head(model.lm_head)
     layers = [PipeLayer(name="model.embed_tokens", entry=first, modules=(embed,), owners=(embed,))]
     layers += [PipeLayer(name=f"model.layers.{i}", entry=DecoderLayer(layer, inner.rotary_emb, config),
                          modules=(layer,), owners=(layer,))
@@ -130,4 +69,5 @@ def build(model: nn.Module) -> LayerList:
                             owners=(inner.norm,)))
     layers.append(PipeLayer(name="lm_head", entry=last, modules=(embed,) if is_tied else (model.lm_head,),
                             owners=(model.lm_head,), compute=2.0 * model.lm_head.weight.numel()))
-    return LayerList(family="LlamaForCausalLM", layers=tuple(layers), adapter=LlamaAdapter(model), model=model)
+    return LayerList(family="LlamaForCausalLM", layers=tuple(layers), adapter=CausalLMAdapter(model, CausalLMOutputWithPast),
+                     model=model)
