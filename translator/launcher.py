@@ -29,6 +29,21 @@ def hosts_for(nodes: int) -> list[str]:
     return [f"algo-{i + 1}" for i in range(nodes)]
 
 
+def hyperparameter_args(hyperparameters: Mapping[str, Any]) -> list[str]:
+    """Estimator hyperparameters as the script arguments SageMaker passes: ``--key value``.
+
+    Keys in sorted order; a dict value becomes ``k1=v1,k2=v2`` (sorted), anything else its
+    ``str()`` (so ``True`` stays ``True``), as SageMaker's training toolkit renders them.
+    """
+    args: list[str] = []
+    for key in sorted(hyperparameters):
+        value = hyperparameters[key]
+        if isinstance(value, Mapping):
+            value = ",".join(f"{k}={v}" for k, v in sorted(value.items()))
+        args += [f"--{key}", str(value)]
+    return args
+
+
 def mp_parameters(given: Mapping[str, Any], pp: int, smp_version: int) -> dict[str, Any]:
     """The dict for ``SM_HP_MP_PARAMETERS``: the user's keys, plus ``partitions`` for SMP v1.
 
@@ -73,11 +88,12 @@ def launcher_section(
         instance_type=instance_type,
         hyperparameters=hyperparameters,
     )
+    script_argv = [script, *hyperparameter_args(hyperparameters)]
     deepspeed = ["deepspeed"]
     if nodes > 1:
         deepspeed += ["--hostfile", "hostfile", "--num_nodes", str(nodes), "--master_addr", master]
     # SMP scripts do not parse --local_rank; they read LOCAL_RANK from the environment.
-    deepspeed += ["--num_gpus", str(ranks_per_node), "--master_port", str(master_port), "--no_local_rank", script]
+    deepspeed += ["--num_gpus", str(ranks_per_node), "--master_port", str(master_port), "--no_local_rank", *script_argv]
     torchrun = [
         "torchrun",
         "--nnodes",
@@ -91,7 +107,7 @@ def launcher_section(
         master,
         "--master-port",
         str(master_port),
-        script,
+        *script_argv,
     ]
     mpirun = [
         "mpirun",
@@ -113,7 +129,7 @@ def launcher_section(
     for name in sorted(env):
         mpirun += ["-x", name]
     mpirun += shlex.split(custom)
-    mpirun += ["python", script]
+    mpirun += ["python", *script_argv]
     return {
         "script": script,
         "hosts": hosts,

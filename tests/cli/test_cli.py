@@ -398,6 +398,27 @@ def test_launch_estimator_channels_and_hyperparameters(tmp_path, capsys, monkeyp
     assert env["SM_HP_TASK_NAME"] == "mnli"
     assert json.loads(env["SM_HPS"])["per_device_train_batch_size"] == 16
     assert json.loads(env["SM_FRAMEWORK_PARAMS"])["sagemaker_instance_type"] == "ml.p3.16xlarge"
+    # As on SageMaker, the script also receives the hyperparameters as sorted `--key value` args.
+    cmd = spec["command"]
+    script_args = cmd[cmd.index("run_glue.py") + 1:]
+    assert script_args[:2] == ["--do_eval", "True"]
+    assert script_args[script_args.index("--per_device_train_batch_size") + 1] == "16"
+    assert script_args[script_args.index("--task_name") + 1] == "mnli"
+    keys = [a for a in script_args if a.startswith("--")]
+    assert keys == sorted(keys)
+
+
+def test_launch_args_after_double_dash_follow_the_hyperparameters(tmp_path, capsys, monkeypatch):
+    estimator = write_json(tmp_path / "est.json", {
+        "instance_count": 1, "instance_type": "ml.p3.16xlarge",
+        "hyperparameters": {"epochs": 1, "sizes": {"b": 2, "a": 1}},
+        "distribution": {"smdistributed": {"modelparallel": {"enabled": True, "parameters": {"partitions": 1, "ddp": True}}},
+                         "mpi": {"enabled": True, "processes_per_host": 2}},
+    })
+    code, spec, _ = dry_run(["--estimator", estimator, "--", "train.py", "--epochs", "3"], capsys, monkeypatch)
+    assert code == 0
+    cmd = spec["command"]
+    assert cmd[cmd.index("train.py"):] == ["train.py", "--epochs", "1", "--sizes", "a=1,b=2", "--epochs", "3"]
 
 
 def test_launch_torchrun_command(tmp_path, capsys, monkeypatch):

@@ -81,7 +81,10 @@ def test_hugging_face_detects_smp_from_the_env(launcher, monkeypatch):
 def test_hostfile_and_commands(launcher):
     assert launcher["hostfile"] == "algo-1 slots=8\nalgo-2 slots=8\n"
     ds = launcher["deepspeed"]
-    assert ds[0] == "deepspeed" and ds[-1] == "train.py"
+    # The script gets the estimator's hyperparameters as SageMaker passes them: sorted --key value.
+    script_argv = ["train.py", "--model_type", "gpt2", "--train_batch_size", "8"]
+    assert ds[0] == "deepspeed" and ds[-5:] == script_argv
+    assert launcher["torchrun"][-5:] == script_argv
     for flag, value in (
         ("--hostfile", "hostfile"),
         ("--num_nodes", "2"),
@@ -95,7 +98,7 @@ def test_hostfile_and_commands(launcher):
         assert tr[tr.index(flag) + 1] == value
     mpi = launcher["mpirun"]
     assert mpi[mpi.index("-np") + 1] == "16" and mpi[mpi.index("--host") + 1] == "algo-1:8,algo-2:8"
-    assert mpi[-2:] == ["python", "train.py"]
+    assert mpi[-6:] == ["python", *script_argv]
     custom = ["-x", "FI_PROVIDER=efa", "-x", "RDMAV_FORK_SAFE=1"]
     start = mpi.index("FI_PROVIDER=efa") - 1
     assert mpi[start : start + 4] == custom

@@ -191,6 +191,12 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
         layout = Layout(world_size=nproc * args.nnodes, gpus_per_node=nproc)
         config = normalize(doc, layout)  # checked against the world this launch runs
         result = plan(config, layout)
+        # As on SageMaker the script gets the estimator's hyperparameters as `--key value`;
+        # arguments given after `--` come last, so they win in argparse.
+        from smp2ds.translator.launcher import hyperparameter_args
+
+        at = 2 if script[0] == "-m" else 1
+        script = script[:at] + hyperparameter_args(config.hyperparameters) + script[at:]
     else:
         nproc = args.nproc_per_node or gpus or 1
 
