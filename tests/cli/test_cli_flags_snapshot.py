@@ -34,6 +34,7 @@ SNAPSHOT: dict[str, dict[str, object]] = {
             "--batch-size",
             "--format{json,text}=text",
             "--gpus-per-node",
+            "--model",
             "--params",
             "--world-size",
             "-h/--help",

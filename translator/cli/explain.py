@@ -55,6 +55,13 @@ def explain_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         metavar="COUNT",
         help="model parameters for the memory/communication estimate (30e9, 30B, 350M)",
     )
+    parser.add_argument(
+        "--model",
+        metavar="CONFIG_JSON",
+        help="a Hugging Face model config.json (model_type, architectures): show the pipeline split "
+        "DistributedModel would choose, and use its parameter count when --params is not given "
+        "(imports torch and transformers; the model is built on the meta device, without weights)",
+    )
     add_layout_args(parser)
     add_format_arg(parser)
     parser.set_defaults(handler=explain_command)
@@ -72,7 +79,9 @@ def explain_command(args: argparse.Namespace) -> int:
     layout = layout_from_args(args)
     config = normalize(load_document(args.file), layout)
     result = plan(config, layout)
-    estimate = _estimate(result, args.params)
+    split = _model_split(args.model, config) if args.model else None
+    params = args.params or (split.n_params if split else None)
+    estimate = _estimate(result, params, "--model" if split and not args.params else None)
     if args.format == "json":
         write_stdout(
             report.dump_json(
@@ -82,6 +91,7 @@ def explain_command(args: argparse.Namespace) -> int:
                     "counts": report.fate_counts(result.notes),
                     "remarks": list(result.remarks),
                     "estimate": estimate,
+                    **({"pipeline_split": split.plan.to_dict(), "model": split.architecture} if split else {}),
                 }
             )
         )
@@ -90,8 +100,9 @@ def explain_command(args: argparse.Namespace) -> int:
         f"keys ({report.render_fate_summary(result.notes)}):\n" + report.render_key_table(result.notes),
         report.render_mapping("topology", result.topology),
         report.render_remarks(result.remarks),
+        _split_text(split) if split else "",
         report.render_estimate_text(estimate)
-        + ("" if args.params else "(no --params given: figures are for 1e9 parameters and scale linearly)\n"),
+        + ("" if params else "(no --params given: figures are for 1e9 parameters and scale linearly)\n"),
     ]
     write_stdout("\n".join(p for p in parts if p))
     return EXIT_OK
@@ -101,12 +112,46 @@ DEFAULT_PARAMS = 1_000_000_000
 """Without ``--params`` the estimate is shown for 1e9 parameters (it scales linearly)."""
 
 
-def _estimate(result: Any, params: int | None) -> dict[str, Any]:
+def _estimate(result: Any, params: int | None, source: str | None = None) -> dict[str, Any]:
     """Call the translator's estimator (formulas of mapping-anchors section 1.2) and make it JSON."""
     from smp2ds.translator.estimate import estimate
 
     from . import report
 
     value = report.to_jsonable(estimate(result, params or DEFAULT_PARAMS))
-    value["n_params_source"] = "--params" if params else "default 1e9 (pass --params for your model)"
+    value["n_params_source"] = source or ("--params" if params else "default 1e9 (pass --params for your model)")
     return value
+
+
+def _model_split(path: str, config: Any) -> Any:
+    """The pipeline split of the model in ``path`` under ``config`` (engine code: imports torch)."""
+    from smp2ds.translator.load import load_document
+
+    from . import UsageError
+
+    model_config = load_document(path)
+    if not isinstance(model_config, dict):
+        raise UsageError(f"--model {path}: expected a JSON object (a Hugging Face config.json)")
+    import contextlib
+    import sys
+
+    # DeepSpeed logs to stdout when imported; keep stdout for the report (it may be JSON).
+    with contextlib.redirect_stdout(sys.stderr):
+        from smp2ds.engine.pipeline.explain import split_for_model_config
+
+        try:
+            return split_for_model_config(model_config, config.params)
+        except ValueError as err:
+            raise UsageError(f"--model {path}: {err}") from None
+
+
+def _split_text(split: Any) -> str:
+    plan = split.plan
+    lines = [f"pipeline split of {split.architecture} ({split.n_params:,} parameters) into "
+             f"{len(plan.stages)} stage(s), {plan.method}"
+             + (f", memory_weight {plan.memory_weight:g}:" if plan.method == "auto" else ":")]
+    for s in plan.stages:
+        span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
+        lines.append(f"  stage {s.stage}: layers {s.start}-{s.stop - 1} [{span}], "
+                     f"{s.memory_bytes / 2**20:,.1f} MiB parameters, cost share {s.cost:.0%}")
+    return "\n".join(lines) + "\n"
