@@ -103,7 +103,9 @@ class PipelineBackend(DataParallelBackend):
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         if self.zero_stage >= 1:
             return super().grad_norm(norm_type)
-        grads = [p.grad.detach().float() for _, p in self.runner.local_named_parameters() if p.grad is not None]
+        # A tied weight (GPT-2's wte/lm_head) has a copy with the full gradient on two stages: count it once.
+        grads = [p.grad.detach().float() for _, p in self.runner.local_named_parameters(include_replicas=False)
+                 if p.grad is not None]
         local = sum((torch.linalg.vector_norm(g, 2) ** 2 for g in grads), torch.tensor(0.0))
         comm.all_reduce(local, group=self._state.groups.group("pp"))
         return local.sqrt() / self.loss_scale

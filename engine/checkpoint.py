@@ -16,6 +16,7 @@ them in its optimizer state), so no separate ``fp16_states_*`` file is written.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import warnings
@@ -134,9 +135,58 @@ def _check_config(directory: str, load_optimizer: bool) -> None:
         warnings.warn(f"checkpoint config differs from the current one: {diffs}", stacklevel=3)
 
 
-def _apply_model(sd: dict, strict: bool, translate_function: Callable | None) -> None:
+_HF_WEIGHTS_NAME = "pytorch_model.bin"
+_HF_SAFE_WEIGHTS = "model.safetensors"
+
+
+def _load_full(path: str, tag: str) -> tuple[dict, bool]:
+    """The full model state dict ``path/tag``, and whether it came from a Hugging Face safetensors
+    checkpoint (whose tied weights are stored once and must be filled in before a strict load).
+
+    transformers >= 5 saves only safetensors (``model.safetensors`` or its sharded index) yet its
+    Trainer still resumes SMP runs with ``tag="pytorch_model.bin"``: when that file is absent, the
+    safetensors files beside it are read instead.
+    """
+    file = os.path.join(path, tag)
+    if os.path.exists(file) and not file.endswith(".safetensors"):
+        return _load(file), False
+    if os.path.exists(file):
+        files = [file]
+    elif tag == _HF_WEIGHTS_NAME and os.path.exists(os.path.join(path, _HF_SAFE_WEIGHTS)):
+        files = [os.path.join(path, _HF_SAFE_WEIGHTS)]
+    elif tag == _HF_WEIGHTS_NAME and os.path.exists(os.path.join(path, _HF_SAFE_WEIGHTS + ".index.json")):
+        with open(os.path.join(path, _HF_SAFE_WEIGHTS + ".index.json")) as handle:
+            shards = sorted(set(json.load(handle)["weight_map"].values()))
+        files = [os.path.join(path, name) for name in shards]
+    else:
+        raise SMPCheckpointError(f"full checkpoint {file} does not exist")
+    from safetensors.torch import load_file
+
+    sd: dict = {}
+    for name in files:
+        sd.update(load_file(name, device="cpu"))
+    return sd, True
+
+
+def _fill_tied(sd: dict, module: torch.nn.Module) -> dict:
+    """Add the keys of tied parameters (one tensor under several names) that ``sd`` stores once."""
+    by_storage: dict[tuple, list[str]] = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if tensor.data_ptr() != 0:  # empty and meta tensors share address 0 without being tied
+            by_storage.setdefault((tensor.data_ptr(), tuple(tensor.shape), tensor.dtype), []).append(key)
+    filled = dict(sd)
+    for aliases in by_storage.values():
+        present = [k for k in aliases if k in filled]
+        for key in aliases:
+            if key not in filled and present:
+                filled[key] = filled[present[0]]
+    return filled
+
+
+def _apply_model(sd: dict, strict: bool, translate_function: Callable | None, tied: bool = False) -> None:
     def apply(model: Any) -> None:
-        model.load_state_dict(sd, strict=strict, translate_function=translate_function)
+        loaded = _fill_tied(sd, model.module) if tied else sd
+        model.load_state_dict(loaded, strict=strict, translate_function=translate_function)
 
     if state.model is not None:
         state.model.defer_load(apply)
@@ -166,7 +216,8 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
     if not partial:
         if tag is None:
             raise SMPCheckpointError("resume_from_checkpoint(partial=False) needs the tag of the full checkpoint")
-        _apply_model(_load(os.path.join(path, tag)), strict, translate_function)
+        sd, tied = _load_full(path, tag)
+        _apply_model(sd, strict, translate_function, tied)
         content = os.path.join(path, f"user_content_{tag}")
         return _load(content) if os.path.exists(content) else None
     if tag is None:

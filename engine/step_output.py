@@ -37,6 +37,11 @@ class StepOutput:
         """``torch.stack(outputs)`` (new leading micro-batch dimension)."""
         return torch.stack(self._outputs)
 
+    def detach(self) -> StepOutput:
+        """A ``StepOutput`` of the detached outputs (Hugging Face's ``smp_nested_concat`` calls
+        ``output.detach().concat()``)."""
+        return StepOutput([o.detach() if isinstance(o, torch.Tensor) else o for o in self._outputs])
+
     def map(self, func: Callable[[Any], Any]) -> StepOutput:
         """Apply ``func`` to every output in place; returns self."""
         self._outputs = [func(o) for o in self._outputs]
