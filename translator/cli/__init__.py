@@ -48,6 +48,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def command_parser(subparsers: Any, name: str, description: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``: registered on ``subparsers``, or standalone when None."""
+    if subparsers is None:
+        return argparse.ArgumentParser(prog=f"smp2ds {name}", description=description)
+    return subparsers.add_parser(name, help=SUMMARIES[name], description=description)
+
+
 def add_file_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "file",

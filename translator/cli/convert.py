@@ -16,7 +16,7 @@ from typing import Any
 
 from . import (
     EXIT_OK,
-    SUMMARIES,
+    command_parser,
     UsageError,
     add_file_arg,
     add_format_arg,
@@ -31,10 +31,7 @@ TARGETS: tuple[str, ...] = ("deepspeed", "megatron", "launcher", "plan")
 def convert_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """Register ``convert`` (or build a standalone parser when ``subparsers`` is None)."""
     description = "Translate an SMP configuration into a DeepSpeed config, Megatron arguments, launcher commands or the whole plan."
-    if subparsers is None:
-        parser = argparse.ArgumentParser(prog="smp2ds convert", description=description)
-    else:
-        parser = subparsers.add_parser("convert", help=SUMMARIES["convert"], description=description)
+    parser = command_parser(subparsers, "convert", description)
     add_file_arg(parser)
     add_layout_args(parser)
     parser.add_argument(

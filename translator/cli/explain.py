@@ -13,7 +13,7 @@ from typing import Any
 
 from . import (
     EXIT_OK,
-    SUMMARIES,
+    command_parser,
     add_file_arg,
     add_format_arg,
     add_layout_args,
@@ -44,10 +44,7 @@ def explain_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         "Show each key's fate (mapped, engine, ignored, unsupported) and the per-rank model-state "
         "memory and communication volume per step of the layout."
     )
-    if subparsers is None:
-        parser = argparse.ArgumentParser(prog="smp2ds explain", description=description)
-    else:
-        parser = subparsers.add_parser("explain", help=SUMMARIES["explain"], description=description)
+    parser = command_parser(subparsers, "explain", description)
     add_file_arg(parser)
     parser.add_argument(
         "--params",

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from . import EXIT_OK, SUMMARIES, UsageError, positive_int, write_stdout
+from . import EXIT_OK, UsageError, command_parser, positive_int, write_stdout
 
 LAUNCHERS: tuple[str, ...] = ("deepspeed", "torchrun", "mpirun")
 DEFAULT_MULTINODE_PORT = 29500
@@ -54,10 +54,7 @@ def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         "SM_FRAMEWORK_PARAMS, SM_HOSTS, ...) under the deepspeed launcher, torchrun or mpirun. "
         "Usage: smp2ds launch [options] -- SCRIPT [ARGS...]  (or -- -m MODULE [ARGS...])"
     )
-    if subparsers is None:
-        parser = argparse.ArgumentParser(prog="smp2ds launch", description=description)
-    else:
-        parser = subparsers.add_parser("launch", help=SUMMARIES["launch"], description=description)
+    parser = command_parser(subparsers, "launch", description)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--estimator", metavar="FILE", help="estimator spec or distribution dict (JSON)")
     source.add_argument("--config", metavar="FILE", help="SMP parameters dict (JSON), as given to smp.init")

@@ -12,7 +12,7 @@ from typing import Any
 from . import (
     EXIT_INVALID,
     EXIT_OK,
-    SUMMARIES,
+    command_parser,
     add_file_arg,
     add_format_arg,
     add_layout_args,
@@ -25,10 +25,7 @@ from . import (
 def validate_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """Register ``validate`` (or build a standalone parser when ``subparsers`` is None)."""
     description = "Check an SMP configuration and print every problem with its JSON pointer."
-    if subparsers is None:
-        parser = argparse.ArgumentParser(prog="smp2ds validate", description=description)
-    else:
-        parser = subparsers.add_parser("validate", help=SUMMARIES["validate"], description=description)
+    parser = command_parser(subparsers, "validate", description)
     add_file_arg(parser)
     add_layout_args(parser, gpus=False, batch=False)
     add_format_arg(parser)
