@@ -210,6 +210,14 @@ def _assert_same_on_every_rank(results: list[dict]) -> None:
             np.testing.assert_array_equal(other["weights"][key], value, err_msg=key)
 
 
+def _assert_logs_match(result: dict, ref: dict) -> None:
+    """Logged losses and grad norms per step, and the eval loss, equal the reference's."""
+    logs = result["logs"]
+    np.testing.assert_allclose([h["loss"] for h in logs], ref["losses"], rtol=1e-5)
+    np.testing.assert_allclose([h["grad_norm"] for h in logs], ref["norms"], rtol=1e-4)
+    np.testing.assert_allclose(result["eval_loss"], ref["eval_loss"], rtol=1e-5)
+
+
 # ---- tests ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("gas", "user_optimizer"), [(1, False), (2, False), (1, True)],
                          ids=["gas1", "gas2", "gas1-optimizer-given"])
@@ -230,10 +238,7 @@ def test_trainer_trains_like_plain_pytorch(tmp_path: Any, gas: int, user_optimiz
         assert r["adam_steps"] == [steps]
     _assert_same_on_every_rank(results)
     _assert_weights_close(results[0]["weights"], ref["weights"])
-    logs = results[0]["logs"]
-    np.testing.assert_allclose([h["loss"] for h in logs], ref["losses"], rtol=1e-5)
-    np.testing.assert_allclose([h["grad_norm"] for h in logs], ref["norms"], rtol=1e-4)
-    np.testing.assert_allclose(results[0]["eval_loss"], ref["eval_loss"], rtol=1e-5)
+    _assert_logs_match(results[0], ref)
 
 
 def test_pipeline_parallel_trainer_matches_plain_pytorch(tmp_path: Any) -> None:
@@ -250,10 +255,7 @@ def test_pipeline_parallel_trainer_matches_plain_pytorch(tmp_path: Any) -> None:
         assert (r["world_size"], r["process_index"]) == (1, 0) and r["wrapped"] and r["distributed_optimizer"]
     _assert_same_on_every_rank(results)
     _assert_weights_close(results[0]["weights"], ref["weights"])
-    logs = results[0]["logs"]
-    np.testing.assert_allclose([h["loss"] for h in logs], ref["losses"], rtol=1e-5)
-    np.testing.assert_allclose([h["grad_norm"] for h in logs], ref["norms"], rtol=1e-4)
-    np.testing.assert_allclose(results[0]["eval_loss"], ref["eval_loss"], rtol=1e-5)
+    _assert_logs_match(results[0], ref)
 
 
 @pytest.mark.parametrize(("smp_params", "replicas", "optimizer_files"), [
