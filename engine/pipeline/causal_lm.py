@@ -56,7 +56,7 @@ class FinalNorm(nn.Module):
 
 
 class Head(nn.Module):
-    """Untied ``lm_head``."""
+    """An untied output projection (``lm_head``; BERT-MLM's ``decoder`` uses it too)."""
 
     def __init__(self, lm_head: nn.Linear):
         super().__init__()

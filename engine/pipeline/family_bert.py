@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .causal_lm import Head
 from .hf_common import bind_call, check_call, finish, long_mask, positions
 from .layers import LayerList, PipeLayer, tied
 
@@ -121,17 +122,6 @@ class DecoderBias(nn.Module):
         return logits + self.bias
 
 
-class Decoder(nn.Module):
-    """Untied ``cls.predictions.decoder``."""
-
-    def __init__(self, decoder: nn.Linear):
-        super().__init__()
-        self.decoder = decoder
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.decoder(hidden)
-
-
 class BertAdapter:
     """``model(input_ids, attention_mask=..., token_type_ids=..., labels=...)`` <-> pipeline tensors."""
 
@@ -215,6 +205,6 @@ def build(model: nn.Module) -> LayerList:
                                 compute=2.0 * decoder.weight.numel()))
         layers.append(PipeLayer(name="cls.predictions.bias", entry=bias, modules=(bias,), owners=(decoder,)))
     else:
-        layers.append(PipeLayer(name="cls.predictions.decoder", entry=Decoder(decoder), modules=(decoder,),
+        layers.append(PipeLayer(name="cls.predictions.decoder", entry=Head(decoder), modules=(decoder,),
                                 owners=(decoder,)))
     return LayerList(family=type(model).__name__, layers=tuple(layers), adapter=BertAdapter(model), model=model)
