@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from . import comm
-from .state import state
+from smp2ds.engine.core import comm
+from smp2ds.engine.core.state import state
 
 
 class GradScaler(torch.amp.GradScaler):

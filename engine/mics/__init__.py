@@ -43,9 +43,6 @@ Public surface (for the engine core; all collective calls must run on every rank
 ``partition_stats(engine) -> dict``
     Elements/bytes of parameters, gradients, fp32 master and optimizer state held by this rank,
     with unsharded counterparts and ``fraction``.
-``delay_param_initialization(enabled=True)``
-    ``mics_init_context`` fed from the initialised ``smp`` state (what engine/creation.py looks
-    up); ``groups_from_state(state)`` gives the same ``MicsGroups`` the MiCS backend creates.
 ``ShardGroupMPU(groups)``, ``replica_allreduce``, ``hierarchical_all_gather``: building blocks.
 
 DeepSpeed private attributes relied on (pinned by tests/engine/test_mics_internals.py):
@@ -55,12 +52,12 @@ DeepSpeed private attributes relied on (pinned by tests/engine/test_mics_interna
 ``save_non_zero_checkpoint`` / ``save_zero_checkpoint``.
 """
 
-from .allgather import (
+from smp2ds.engine.mics.allgather import (
     hierarchical_all_gather,
     install_hierarchical_allgather,
     uninstall_hierarchical_allgather,
 )
-from .api import (
+from smp2ds.engine.mics.zero3 import (
     full_state_dict,
     initialize,
     load_full_state_dict,
@@ -69,11 +66,10 @@ from .api import (
     shard_ds_config,
     sync_replicas,
 )
-from .gradsync import DeepSpeedInternalsChanged, check_stage3_internals, replica_allreduce
-from .groups import MicsGroups
-from .layout import HierarchicalPlan, MicsLayout, plan_hierarchical, ranks_per_node_from_env
-from .mpu import ShardGroupMPU
-from .smp_glue import delay_param_initialization, groups_from_state
+from smp2ds.engine.mics.gradsync import DeepSpeedInternalsChanged, check_stage3_internals, replica_allreduce
+from smp2ds.engine.mics.shard_groups import MicsGroups
+from smp2ds.engine.mics.layout import HierarchicalPlan, MicsLayout, plan_hierarchical, ranks_per_node_from_env
+from smp2ds.engine.mics.mpu import ShardGroupMPU
 
 __all__ = [
     "DeepSpeedInternalsChanged",
@@ -82,9 +78,7 @@ __all__ = [
     "MicsLayout",
     "ShardGroupMPU",
     "check_stage3_internals",
-    "delay_param_initialization",
     "full_state_dict",
-    "groups_from_state",
     "hierarchical_all_gather",
     "initialize",
     "install_hierarchical_allgather",

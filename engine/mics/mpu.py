@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .groups import MicsGroups
+from smp2ds.engine.mics.shard_groups import MicsGroups
 
 
 class ShardGroupMPU:

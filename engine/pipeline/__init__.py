@@ -40,13 +40,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .layers import SUPPORTED, LayerList, PipeLayer, UnsupportedModelError, build_layer_list
-from .manual import clear as clear_partitions
-from .manual import configure as configure_partitions
-from .manual import partition, set_partition
-from .runner import PipelineRunner
-from .settings import PipelineSettings, ScheduleChoice, choose_schedule
-from .split import PartitionPlan, StageInfo, plan_partition
+from smp2ds.engine.pipeline.layers import SUPPORTED, LayerList, PipeLayer, UnsupportedModelError, build_layer_list
+from smp2ds.engine.pipeline.manual import clear as clear_partitions
+from smp2ds.engine.pipeline.manual import configure as configure_partitions
+from smp2ds.engine.pipeline.manual import partition, set_partition
+from smp2ds.engine.pipeline.runner import PipelineRunner
+from smp2ds.engine.pipeline.settings import PipelineSettings, ScheduleChoice, choose_schedule
+from smp2ds.engine.pipeline.partition_plan import PartitionPlan, StageInfo, plan_partition
+from smp2ds.engine.pipeline import families  # noqa: F401  (registers the built-in layer lists)
 
 __all__ = [
     "SUPPORTED",

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .layers import SUPPORTED, build_layer_list
-from .split import PartitionPlan, plan_partition
+from smp2ds.engine.pipeline.layers import SUPPORTED, build_layer_list
+from smp2ds.engine.pipeline.partition_plan import PartitionPlan, plan_partition
 
 
 @dataclass(frozen=True)

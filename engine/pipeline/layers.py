@@ -24,7 +24,7 @@ import torch
 from deepspeed.pipe import TiedLayerSpec
 from torch import nn
 
-from ..exceptions import SMPUnsupportedError
+from smp2ds.engine.exceptions import SMPUnsupportedError
 
 SUPPORTED = ("torch.nn.Sequential", "transformers GPT2LMHeadModel", "transformers BertForSequenceClassification",
              "transformers BertForMaskedLM", "transformers LlamaForCausalLM")
@@ -143,16 +143,22 @@ def module_path(model: nn.Module, target: nn.Module) -> str:
     return type(target).__name__
 
 
+Matcher = Callable[[nn.Module], bool]
+Builder = Callable[[nn.Module], LayerList]
+_FAMILIES: list[tuple[str, Matcher, Builder]] = []
+"""(name, matches, build) in registration order; filled by ``smp2ds.engine.pipeline.families``."""
+
+
+def register_family(name: str, matches: Matcher, build: Builder) -> None:
+    """Teach `build_layer_list` a model family (the families package registers the built-in ones)."""
+    if any(existing == name for existing, _, _ in _FAMILIES):
+        return
+    _FAMILIES.append((name, matches, build))
+
+
 def build_layer_list(model: nn.Module) -> LayerList:
     """The layer list for a supported model; `UnsupportedModelError` for anything else."""
-    from . import family_bert, family_gpt2, family_llama, family_sequential
-
-    builders: Sequence[tuple[Callable[[nn.Module], bool], Callable[[nn.Module], LayerList]]] = (
-        (family_sequential.matches, family_sequential.build),
-        (family_gpt2.matches, family_gpt2.build),
-        (family_bert.matches, family_bert.build),
-        (family_llama.matches, family_llama.build),
-    )
+    builders = [(matches, build) for _, matches, build in _FAMILIES]
     for matches, build in builders:
         if matches(model):
             return build(model)

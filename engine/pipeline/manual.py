@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ..exceptions import InvalidPartitionIDError
+from smp2ds.engine.exceptions import InvalidPartitionIDError
 
 _lock = threading.Lock()
 _stack: list[int] = []

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from smp2ds.engine import ds_config as dsc
-from smp2ds.engine import model_io
-from smp2ds.engine.init import merged_config
-from smp2ds.engine.launch_env import LaunchEnvError, detect
+from smp2ds.engine.core import deepspeed_config as dsc
+from smp2ds.engine.core import model_io
+from smp2ds.engine.core.init import merged_config
+from smp2ds.engine.core.launch_env import LaunchEnvError, detect
 from smp2ds.translator.issues import SMPConfigError
 
 

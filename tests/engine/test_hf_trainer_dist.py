@@ -5,7 +5,7 @@ The environment says "SageMaker model parallel" exactly as SageMaker would
 ``sagemaker_mpi_enabled``), so transformers' ``is_sagemaker_mp_enabled()`` is True, it imports
 ``smdistributed.modelparallel.torch`` (ours) and calls ``smp.init()``, wraps the model in
 ``smp.DistributedModel``, trains through ``trainer_pt_utils.smp_forward_backward`` and saves
-through ``smp.save``. ``smp2ds.engine.hf`` supplies the CPU device choice and the three repairs
+through ``smp.save``. ``smp2ds.engine.integrations.hf`` supplies the CPU device choice and the three repairs
 transformers 5 needs on this path (see its docstrings).
 
 Every run is compared with a single-process plain-PyTorch reference that consumes the same
@@ -96,7 +96,7 @@ def _numpy(sd: dict) -> dict[str, np.ndarray]:
 # ---- workers (run in the spawned ranks) -------------------------------------------------------
 def _train_worker(opts: dict) -> dict:
     import torch
-    from smp2ds.engine.hf import SMPCPUTrainingArguments, SMPTrainer
+    from smp2ds.engine.integrations.hf import SMPCPUTrainingArguments, SMPTrainer
     from transformers.training_args import ParallelMode
 
     import smdistributed.modelparallel.torch as smp

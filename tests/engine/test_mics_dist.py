@@ -167,7 +167,8 @@ def _counter_summary(counter, groups) -> dict:
 
 
 def _spawn1_worker() -> dict:
-    from smp2ds.engine import comm_counter, mics
+    from smp2ds.engine.diagnostics import comm_counter
+    from smp2ds.engine import mics
 
     _init_dist()
     out: dict = {}
@@ -309,7 +310,8 @@ def test_bf16_trains_close_to_fp32_reference_and_replicas_agree(spawn1):
 def _spawn2_worker() -> dict:
     import torch
     import torch.distributed as dist
-    from smp2ds.engine import comm_counter, mics
+    from smp2ds.engine.diagnostics import comm_counter
+    from smp2ds.engine import mics
     from smp2ds.translator.topology import Topology
 
     _init_dist()

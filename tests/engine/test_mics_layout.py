@@ -72,7 +72,7 @@ def test_two_stage_relayout_reproduces_the_flat_allgather_order(nodes, per_node,
 
 
 def test_counter_ring_model_and_node_spans():
-    from smp2ds.engine.comm_counter import CommRecord
+    from smp2ds.engine.diagnostics.comm_counter import CommRecord
 
     ar = CommRecord("all_reduce", (0, 2), 1000)
     ag = CommRecord("all_gather_into_tensor", (0, 1, 2, 3), 1000)
@@ -83,7 +83,7 @@ def test_counter_ring_model_and_node_spans():
 
 def test_counter_patches_only_while_installed():
     import torch.distributed as dist
-    from smp2ds.engine.comm_counter import CommCounter
+    from smp2ds.engine.diagnostics.comm_counter import CommCounter
 
     before = dist.all_reduce, dist.all_gather_into_tensor, dist.reduce_scatter_tensor
     with CommCounter():

@@ -327,7 +327,7 @@ def test_schedules_keep_only_the_requested_reductions():
 
 # ---- topology -----------------------------------------------------------------------------------------
 def test_deepspeed_topology_matches_smp_rank_order_for_every_placement():
-    from smp2ds.engine.pipeline.topology import to_ds_topology
+    from smp2ds.engine.pipeline.ds_topology import to_ds_topology
 
     for placement in list(PLACEMENT_ALIASES) + list(PLACEMENT_ORDERS):
         for pp, tp, rdp in itertools.product((2, 3), (1, 2), (1, 2, 3)):

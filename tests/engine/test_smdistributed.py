@@ -10,7 +10,7 @@ from packaging import version
 
 
 def test_import_paths_clients_use():
-    from smp2ds.engine.step import StepFunction
+    from smp2ds.engine.core.step import StepFunction
 
     import smdistributed.modelparallel as mp
     import smdistributed.modelparallel.backend.exceptions as backend_exc

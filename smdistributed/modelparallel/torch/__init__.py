@@ -6,6 +6,6 @@ No logic lives here: every name comes from ``smp2ds.engine``.
 
 from smp2ds.engine import *
 from smp2ds.engine import __all__  # noqa: F401 - re-exported: star-imports of this package see the same names
-from smp2ds.engine import step, checkpoint  # noqa: F401  (the decorator / activation checkpoint, as in SMP)
+from smp2ds.engine import checkpoint, step  # noqa: F401  (the decorator / activation checkpoint, as in SMP)
 
 from . import amp, exceptions, model, nn  # noqa: F401

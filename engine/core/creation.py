@@ -1,0 +1,112 @@
+"""Model-creation context managers and registries: ``partition``, ``set_partition``,
+``tensor_parallelism``, ``set_tensor_parallelism``, ``tp_register*``, ``model_creation``,
+``delay_param_initialization``.
+
+``partition`` / ``set_partition`` delegate to the pipeline engine's registry
+(``smp2ds.engine.pipeline.manual``), which the pipeline backend reads when it splits the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from smp2ds.engine.exceptions import DistributedModelWrappedError, InvalidPartitionIDError, StepFunctionCalledError
+from smp2ds.engine.core.state import state
+
+
+def _manual() -> Any:
+    """The pipeline package's partition registry (None when the package is absent)."""
+    try:
+        from smp2ds.engine.pipeline import manual
+    except ImportError:
+        return None
+    return manual
+
+
+@contextlib.contextmanager
+def partition(index: int) -> Iterator[None]:
+    """Modules created inside go to pipeline partition ``index`` (innermost context wins)."""
+    manual = _manual()
+    if manual is None:
+        if state.initialized and int(state.cfg.pipeline_parallel_degree) > 1:
+            raise InvalidPartitionIDError("smp.partition needs the pipeline engine (smp2ds.engine.pipeline)")
+        yield
+        return
+    with manual.partition(index):
+        yield
+
+
+def set_partition(module: torch.nn.Module, partition: int, recurse: bool = True) -> None:
+    """Assign an existing module (and its children) to a pipeline partition before the first step."""
+    if state.step_calls:
+        raise StepFunctionCalledError("smp.set_partition must be called before the first smp.step call")
+    manual = _manual()
+    if manual is not None:
+        manual.set_partition(module, partition, recurse=recurse)
+
+
+@contextlib.contextmanager
+def tensor_parallelism(enabled: bool = True, **kwargs: Any) -> Iterator[None]:
+    """Mark modules for tensor parallelism (no effect: tensor parallelism is not implemented)."""
+    yield
+
+
+def set_tensor_parallelism(module: torch.nn.Module, enabled: bool = True, **kwargs: Any) -> None:
+    if state.model is not None:
+        raise DistributedModelWrappedError("smp.set_tensor_parallelism must come before smp.DistributedModel")
+
+
+def tp_register(dist_module: type, init_hook: Callable | None = None, forward_hook: Callable | None = None,
+                return_hook: Callable | None = None) -> Callable[[type], type]:
+    """Class decorator registering ``dist_module`` as the TP version (recorded, unused)."""
+    def decorate(cls: type) -> type:
+        return cls
+
+    return decorate
+
+
+def tp_register_with_module(module_cls: type, dist_module: type, init_hook: Callable | None = None,
+                            forward_hook: Callable | None = None, return_hook: Callable | None = None,
+                            translate_functions: tuple[Callable, Callable] | None = None) -> None:
+    if translate_functions is not None:
+        state.module_manager.translate_functions.append(tuple(translate_functions))
+
+
+@contextlib.contextmanager
+def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
+    """Create parameters already sharded over the MiCS shard group (sharded data parallelism);
+    without sharded data parallelism parameters are small enough to create normally."""
+    if enabled and state.initialized and state.mics_groups is not None:
+        from smp2ds.engine import mics
+
+        from smp2ds.engine.core.deepspeed_config import engine_config
+
+        ds = engine_config(state.plan.deepspeed, microbatches=int(state.cfg.microbatches))
+        with mics.mics_init_context(ds, state.mics_groups):
+            yield
+        return
+    yield
+
+
+@contextlib.contextmanager
+def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None = None,
+                   **tensor_parallel_config: Any) -> Iterator[None]:
+    """SMP 1.10+: TP marking + delayed init (per config) + a temporary default dtype."""
+    previous = torch.get_default_dtype()
+    delayed = bool(state.initialized and state.cfg.delayed_parameter_initialization)
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        with delay_param_initialization(enabled=delayed):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def is_tracing() -> bool:
+    """SMP traces the model for auto-partitioning; smp2ds never runs such a pass."""
+    return False

@@ -1,0 +1,210 @@
+"""``smp.init(config=None)``: configuration, process groups and DeepSpeed, from any launcher.
+
+SMP semantics (smp-config.md section 1): the script's dict is overridden key by key by the JSON
+in ``SM_HP_MP_PARAMETERS``; the result is validated (here by the translator, so errors read the
+same as ``smp2ds validate``); a second call only warns. The world layout comes from whatever
+launched the process (see :mod:`launch_env`).
+
+A configuration error is usually the same on every rank; it is printed once (by the lowest rank
+that has it) instead of as one traceback per rank, and every rank raises ``SMPConfigError``.
+Errors are exchanged over the world group, so a rank with a private problem (say a different
+environment) cannot leave the others waiting at a later collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from smp2ds.translator.issues import Issue, SMPConfigError
+from smp2ds.translator.model import Layout
+
+from smp2ds.engine.core import comm
+from smp2ds.engine.diagnostics import failure_report as faults
+from smp2ds.engine.core import launch_env
+from smp2ds.engine.core.process_groups import create_groups
+from smp2ds.engine.core.state import ConfigView, state
+from smp2ds.engine.diagnostics.watchdog import Watchdog, timeout_from_env
+
+log = logging.getLogger("smp2ds")
+
+ENV_KEY = "SM_HP_MP_PARAMETERS"
+PG_TIMEOUT_S = float(os.environ.get("SMP2DS_PG_TIMEOUT", "1800"))
+
+
+def merged_config(config: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The script's dict overridden key by key by ``SM_HP_MP_PARAMETERS`` (env wins)."""
+    env = os.environ if env is None else env
+    merged = dict(config or {})
+    raw = env.get(ENV_KEY, "").strip()
+    if raw:
+        try:
+            from_env = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise SMPConfigError([Issue("", f"environment variable {ENV_KEY} is not valid JSON "
+                                            f"(line {exc.lineno}, column {exc.colno}: {exc.msg})", given=raw)])
+        if not isinstance(from_env, dict):
+            raise SMPConfigError([Issue("", f"environment variable {ENV_KEY} must hold a JSON object",
+                                        given=from_env, allowed="a JSON object of SMP parameters")])
+        merged.update(from_env)
+    return merged
+
+
+def resolve_backend(requested: Any) -> str:
+    """``ddp_dist_backend``: ``auto`` -> nccl when CUDA is usable, else gloo."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    choice = str(requested or "auto").lower()
+    if choice == "auto":
+        return "nccl" if cuda else "gloo"
+    if choice == "nccl" and not cuda:
+        warnings.warn("ddp_dist_backend is 'nccl' but CUDA is not available; using gloo on CPU", stacklevel=3)
+        return "gloo"
+    return choice
+
+
+def _translate(merged: dict[str, Any], launch: launch_env.LaunchEnv) -> tuple[Any, Any]:
+    from smp2ds.translator import normalize, plan
+
+    layout = Layout(world_size=launch.world_size, gpus_per_node=launch.local_size)
+    cfg = normalize(merged, layout)
+    return cfg, plan(cfg, layout)
+
+
+def init(config: Mapping[str, Any] | None = None) -> None:
+    """Initialise SMP on DeepSpeed; see the module docstring. Idempotent (a second call warns)."""
+    if state.initialized:
+        warnings.warn("smp.init() was already called in this process; this call is ignored", stacklevel=2)
+        return
+    error: SMPConfigError | None = None
+    cfg = plan = None
+    merged: dict[str, Any] = dict(config or {})
+    try:
+        merged = merged_config(config)
+    except SMPConfigError as exc:
+        error = exc
+    ddp_port = merged.get("ddp_port") if isinstance(merged.get("ddp_port"), int) else None
+    launch = launch_env.detect(ddp_port=ddp_port)
+    state.launch = launch
+    if error is None:
+        try:
+            cfg, plan = _translate(merged, launch)
+        except SMPConfigError as exc:
+            error = exc
+    backend = resolve_backend(cfg.ddp_dist_backend if cfg is not None else merged.get("ddp_dist_backend"))
+    if backend not in ("gloo", "nccl", "mpi"):
+        backend = "gloo"  # the error exchange below still needs a group; the config error says why
+    if comm.is_initialized():
+        # The script (or a framework) created the world group already: adopt it.
+        if comm.get_world_size() != launch.world_size or comm.get_rank() != launch.rank:
+            raise RuntimeError(f"torch.distributed is initialised as rank {comm.get_rank()} of "
+                               f"{comm.get_world_size()}, but the launcher says rank {launch.rank} of "
+                               f"{launch.world_size}")
+    else:
+        store = comm.create_store(launch.rendezvous, launch.rank, launch.world_size, PG_TIMEOUT_S)
+        comm.init(backend, store, launch.rank, launch.world_size, PG_TIMEOUT_S)
+    _raise_config_error_once(error, launch)
+    _finish(cfg, plan, launch, backend)
+
+
+def _raise_config_error_once(error: SMPConfigError | None, launch: launch_env.LaunchEnv) -> None:
+    mine = list(error.issues) if error is not None else None
+    everyone = comm.all_gather_object(mine) if launch.world_size > 1 else [mine]
+    failing = [r for r, issues in enumerate(everyone) if issues is not None]
+    if not failing:
+        return
+    first = failing[0]
+    exc = SMPConfigError(everyone[first])
+    note = f"found on rank(s) {failing} of {launch.world_size}" if len(failing) < launch.world_size else None
+    faults.mark_reported_once(exc, report_rank=first, note=note)
+    faults.install(launch.rank)
+    comm.destroy()
+    raise exc
+
+
+def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> None:
+    import torch
+
+    comm.init_deepspeed(backend)
+    topology = _topology(cfg, plan, launch)
+    if topology.pp > 1:
+        try:
+            from smp2ds.engine import pipeline
+
+            pipeline.configure_partitions(topology.pp)  # smp.partition(i) then rejects i >= pp at once
+        except ImportError:
+            pass
+    state.groups = create_groups(topology, launch.rank)
+    state.mics_groups = _mics_groups(cfg, topology, launch)
+    state.config, state.plan, state.launch, state.backend_name = cfg, plan, launch, backend
+    state.cfg = ConfigView(cfg, plan)
+    os.environ.update({"RANK": str(launch.rank), "WORLD_SIZE": str(launch.world_size),
+                       "LOCAL_RANK": str(launch.local_rank)})
+    if backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(launch.local_rank)
+    timeout = timeout_from_env()
+    if timeout > 0 and launch.world_size > 1:
+        rdv = launch.rendezvous
+        host = None if rdv.kind == "file" else ("torchrun agent" if rdv.agent_store else f"rank 0 at {rdv.host}:{rdv.port}")
+        state.watchdog = Watchdog(lambda: comm.create_store(rdv, launch.rank, launch.world_size, PG_TIMEOUT_S, side=True),
+                                  launch.rank, launch.world_size, timeout, store_host=host).start()
+    faults.install(launch.rank)
+    atexit.register(shutdown)
+    state.initialized = True
+    if launch.rank == 0:
+        state.cfg.display_config()
+
+
+def _mics_groups(cfg: Any, topology: Any, launch: launch_env.LaunchEnv) -> Any:
+    """Shard/replica groups for sharded data parallelism, created at init (collective) because
+    ``smp.delay_param_initialization()`` needs them before the model is wrapped."""
+    if int(cfg.sharded_data_parallel_degree) <= 1:
+        return None
+    try:
+        from smp2ds.engine import mics
+    except ImportError:
+        return None  # DistributedModel reports the missing engine with the config key
+    return mics.MicsGroups.create(topology, int(cfg.sharded_data_parallel_degree), rank=launch.rank,
+                                  ranks_per_node=launch.local_size, hierarchical=bool(cfg.sdp_hierarchical_allgather))
+
+
+def _topology(cfg: Any, plan: Any, launch: launch_env.LaunchEnv) -> Any:
+    from smp2ds.translator.topology import Topology
+
+    topo = dict(plan.topology)
+    return Topology.for_world(launch.world_size, pp=int(cfg.pipeline_parallel_degree),
+                              tp=int(cfg.tensor_parallel_degree),
+                              placement=str(topo.get("placement") or cfg.placement_strategy))
+
+
+def shutdown() -> None:
+    """Stop the watchdog and destroy the process groups (SMP calls this at exit)."""
+    wd, state.watchdog = state.watchdog, None
+
+    def destroy() -> None:
+        if state.initialized:
+            try:
+                comm.destroy()
+            except Exception:  # noqa: BLE001 - at exit; peers may be gone already
+                pass
+
+    if wd is not None:
+        rdp = state.launch.rendezvous
+        # The store host (rank 0 with our own TCP store) must outlive the others' last store use.
+        hosts_store = rdp.kind == "tcp" and not rdp.agent_store and state.launch.rank == 0
+        wd.stop(wait_for_peers=hosts_store, before_done=destroy)
+    else:
+        destroy()
+    state.initialized = False
+
+
+def is_initialized() -> bool:
+    """True after ``smp.init()`` (SMP API)."""
+    return state.initialized
+

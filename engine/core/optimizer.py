@@ -1,0 +1,182 @@
+"""``smp.DistributedOptimizer``: the DeepSpeed-managed optimizer behind SMP's API.
+
+It *is* a ``torch.optim.Optimizer`` (LR schedulers check that) sharing ``param_groups`` and
+``state`` with the optimizer the script built, so changing a group's ``lr`` reaches DeepSpeed,
+which keeps using those same group dicts. ``.optimizer`` is that inner optimizer (Hugging Face
+builds its scheduler on it under fp16). Creating it builds the DeepSpeed engine.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from smp2ds.engine.core import object_collectives as collectives
+from smp2ds.engine.core.deepspeed_config import LossScaleArgs
+from smp2ds.engine.exceptions import MissingDistributedModelError, SMPInvalidArgumentError, SMPUnsupportedError
+from smp2ds.engine.core.ranks import CommGroup
+from smp2ds.engine.core.state import state
+
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+               "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+               "_optimizer_load_state_dict_post_hooks")
+
+
+def _cpu_tree(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _cpu_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_tree(v) for v in obj)
+    return obj
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """``DistributedOptimizer(optimizer, static_loss_scale=1.0, dynamic_loss_scale=False, dynamic_loss_args=None)``.
+
+    The loss-scaling arguments only matter with ``fp16`` (DeepSpeed's fp16 block: dynamic
+    scaling skips the step on overflow and lowers the scale).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float | None = 1.0,
+                 dynamic_loss_scale: bool = False, dynamic_loss_args: dict | None = None):
+        # torch.optim.Optimizer.__init__ is not called: groups and state belong to `optimizer`.
+        state.require()
+        model = state.model
+        if model is None:
+            raise MissingDistributedModelError("create smp.DistributedModel(...) before smp.DistributedOptimizer(...), "
+                                               "and build the optimizer from the wrapped model's parameters")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise SMPInvalidArgumentError(f"DistributedOptimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise SMPInvalidArgumentError("the optimizer is already a smp.DistributedOptimizer")
+        own = {id(p) for p in model.parameters()}
+        foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+        if foreign:
+            raise SMPInvalidArgumentError(f"{foreign} optimizer parameter(s) do not belong to the DistributedModel; "
+                                          "create the optimizer from model.parameters() after wrapping")
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        for name in _HOOK_DICTS:
+            setattr(self, name, OrderedDict())
+        self._model = model
+        self.loss_scale_args = LossScaleArgs(static_loss_scale, bool(dynamic_loss_scale), dynamic_loss_args)
+        model.backend.build(optimizer, self.loss_scale_args)
+        state.optimizer = self
+        model.apply_pending_load()
+        if state.pending_optimizer_load is not None:
+            pending, state.pending_optimizer_load = state.pending_optimizer_load, None
+            pending(self)
+
+    # ---- shared with the inner optimizer ----------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def backend(self) -> Any:
+        return self._model.backend
+
+    @property
+    def ds_optimizer(self) -> Any:
+        """DeepSpeed's optimizer object (ZeRO / fp16 wrapper, or the inner optimizer for plain DDP)."""
+        return self.backend.ds_optimizer
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
+        """One optimizer step at the accumulation boundary (skipped by DeepSpeed on fp16 overflow)."""
+        if closure is not None:
+            raise SMPUnsupportedError("DistributedOptimizer.step does not take a closure (as in SMP)")
+        self._model._optimizer_stepped()
+        self.backend.optimizer_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.backend.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise SMPUnsupportedError("parameter groups cannot be added after DistributedOptimizer is created: "
+                                  "DeepSpeed has already partitioned/flattened them")
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """Clip the synchronised gradients at ``max_norm`` in the coming step; returns the total norm
+        before clipping (``inf`` on fp16 overflow). Hugging Face logs the returned value."""
+        norm = self.backend.grad_norm(norm_type)
+        self.backend.clip_for_next_step(float(max_norm), norm)
+        return norm
+
+    @property
+    def overflow(self) -> bool:
+        """True when the last step was skipped because fp16 gradients overflowed."""
+        return self.backend.overflow
+
+    @property
+    def loss_scale(self) -> float:
+        return self.backend.loss_scale
+
+    @property
+    def loss_scaler(self) -> Any:
+        return getattr(self.ds_optimizer, "loss_scaler", None)
+
+    # ---- state dicts --------------------------------------------------------------------------
+    def _meta(self) -> dict[str, Any]:
+        return {"zero_stage": self.backend.zero_stage, "precision": self.backend.precision,
+                "rdp_rank": state.groups.coords.rdp_rank, "rdp_size": state.groups.topology.rdp}
+
+    def local_state_dict(self, cast_to_cpu: bool = True, gather_if_shard: bool = True,
+                         fp32_states_only: bool = False) -> dict[str, Any]:
+        """This rank's optimizer state (its ZeRO partition with ``shard_optimizer_state``)."""
+        sd = self.backend.optimizer_state_dict()
+        return {"ds_optimizer": _cpu_tree(sd) if cast_to_cpu else sd, "smp2ds": self._meta(), "_smp_is_partial": True}
+
+    local_optimizer_state_dict = local_state_dict
+
+    def state_dict(self, cast_to_cpu: bool = True, fp32_states_only: bool = False) -> dict[str, Any]:  # type: ignore[override]
+        """The whole optimizer state: with ``shard_optimizer_state`` every rank's partition, gathered."""
+        local = self.local_state_dict(cast_to_cpu)
+        if not self.backend.optimizer_state_is_sharded:
+            return {**local, "_smp_is_partial": False}
+        parts = collectives.allgather(local, CommGroup.RDP_GROUP)
+        return {"partitions": parts, "smp2ds": self._meta(), "_smp_is_partial": False}
+
+    def load_state_dict(self, state_dict: dict[str, Any], gather_if_shard: bool = False) -> None:  # type: ignore[override]
+        """Load what ``state_dict``/``local_state_dict`` produced (or a plain PyTorch optimizer dict)."""
+        sd = state_dict
+        if "partitions" in sd:
+            sd = sd["partitions"][state.groups.coords.rdp_rank]
+        if "ds_optimizer" not in sd:
+            if self.backend.zero_stage == 0 and self.backend.precision == "fp32" and "param_groups" in sd:
+                self.optimizer.load_state_dict(sd)
+                return
+            raise SMPInvalidArgumentError("not an smp2ds optimizer state dict (expected the output of "
+                                          "DistributedOptimizer.state_dict() or local_state_dict())")
+        meta = sd.get("smp2ds", {})
+        if meta.get("zero_stage", self.backend.zero_stage) != self.backend.zero_stage:
+            raise SMPInvalidArgumentError(f"optimizer state was saved with ZeRO stage {meta.get('zero_stage')} but this "
+                                          f"run uses stage {self.backend.zero_stage} (shard_optimizer_state changed)")
+        self.backend.load_optimizer_state_dict(sd["ds_optimizer"])
+
+    load_local_optimizer_state_dict = load_state_dict
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("DistributedOptimizer cannot be pickled; save state_dict()/local_state_dict() instead")
+
+

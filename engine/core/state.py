@@ -1,0 +1,160 @@
+"""``smp.state``: the process-global SMP state object.
+
+Clients read ``smp.state.cfg.<key>`` (Hugging Face reads ``fp16``, ``prescaled_batch``,
+``shard_optimizer_state``), ``smp.state.model`` / ``.optimizer``, the ``*_process_group``
+attributes and the Megatron/DeepSpeed "mpu" methods; transformers' ``save_pretrained`` reads
+``smp.state.module_manager.translate_functions``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from smp2ds.engine.exceptions import DDPNotEnabledError, NotInitializedError
+
+log = logging.getLogger("smp2ds")
+
+
+class ConfigView:
+    """Attribute access to every canonical SMP key of the validated config (``cfg.microbatches``)."""
+
+    def __init__(self, config: Any, plan: Any):
+        self._config = config
+        self._plan = plan
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name == "_fp16_param_init":
+            return bool(self._config.params.get("fp16") or self._config.params.get("fp16_params"))
+        return getattr(self._config, name)
+
+    @property
+    def smp_config(self) -> Any:
+        """The translator's frozen ``SMPConfig``."""
+        return self._config
+
+    @property
+    def plan(self) -> Any:
+        """The translator's ``Plan`` this run follows."""
+        return self._plan
+
+    def zero2d_enabled(self) -> bool:
+        """SMP's name for "sharded data parallelism is on"."""
+        return int(self._config.params.get("sharded_data_parallel_degree", 1)) > 1
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return self._config.to_dict()
+
+    def display_config(self) -> None:
+        log.info("SMP configuration: %s", json.dumps(self._config.to_dict(), sort_keys=True, default=str))
+
+    def __repr__(self) -> str:
+        return f"ConfigView({self._config.to_dict()!r})"
+
+
+@dataclass
+class ModuleManager:
+    """Model-specific registries shared with the pipeline / tensor-parallel helpers."""
+
+    translate_functions: list[tuple[Any, Any]] = field(default_factory=list)
+    """(smp_to_hf, hf_to_smp) callables; read by transformers' ``save_pretrained``."""
+    activation_checkpointing: weakref.WeakKeyDictionary[Any, dict] = field(default_factory=weakref.WeakKeyDictionary)
+    """Module -> options from ``smp.set_activation_checkpointing``."""
+
+
+class State:
+    """Everything ``smp.init`` creates plus the current model/optimizer (one per process)."""
+
+    def __init__(self) -> None:
+        self.initialized = False
+        self.cfg: ConfigView | None = None
+        self.config: Any = None
+        self.plan: Any = None
+        self.launch: Any = None
+        self.groups: Any = None
+        self.backend_name: str | None = None
+        self.watchdog: Any = None
+        self.mics_groups: Any = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget model-specific state (SMP's ``smp.reset()``), keeping the process groups."""
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.microbatch = 0
+        self.in_step = False
+        self.step_calls = 0
+        self.module_manager = ModuleManager()
+        self.pending_model_load: Any = None
+        self.pending_optimizer_load: Any = None
+        self.rng_manager: Any = None
+
+    # ---- convenience ---------------------------------------------------------------------
+    @property
+    def topology(self) -> Any:
+        self.require()
+        return self.groups.topology
+
+    def require(self) -> None:
+        if not self.initialized:
+            raise NotInitializedError("smp.init() has not been called in this process; call it first")
+
+    def _process_group(self, kind: str) -> Any:
+        self.require()
+        if not self.cfg.ddp and kind != "mp":
+            raise DDPNotEnabledError(
+                f"the {kind} process group exists only with the config key ddp: true (SMP semantics)"
+            )
+        return self.groups.group(kind)
+
+    @property
+    def world_process_group(self) -> Any:
+        return self._process_group("world")
+
+    @property
+    def dp_process_group(self) -> Any:
+        return self._process_group("dp")
+
+    @property
+    def mp_process_group(self) -> Any:
+        return self._process_group("mp")
+
+    @property
+    def pp_process_group(self) -> Any:
+        return self._process_group("pp")
+
+    @property
+    def tp_process_group(self) -> Any:
+        return self._process_group("tp")
+
+    @property
+    def rdp_process_group(self) -> Any:
+        return self._process_group("rdp")
+
+    # ---- Megatron/DeepSpeed "mpu" interface (SMP: data-parallel means reduced DP) -----------
+    def get_model_parallel_rank(self) -> int:
+        return self.groups.coords.mp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.groups.topology.mp
+
+    def get_model_parallel_group(self) -> Any:
+        return self.groups.group("mp")
+
+    def get_data_parallel_rank(self) -> int:
+        return self.groups.coords.rdp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.groups.topology.rdp
+
+    def get_data_parallel_group(self) -> Any:
+        return self.groups.group("rdp")
+
+
+state = State()
+"""The process-global instance (``smp.state``)."""

@@ -1,0 +1,290 @@
+"""The DeepSpeed engine behind a ``DistributedModel`` for data parallelism (DDP or ZeRO-1).
+
+:class:`DataParallelBackend` implements :class:`smp2ds.engine.core.backend.Backend` by running
+the micro-batch loop in this process. The MiCS backend (``smp2ds.engine.mics.backend``) reuses it
+with its own ``initialize`` (ZeRO-3 inside shard groups); the pipeline backend
+(``smp2ds.engine.pipeline.backend``) reuses its precision and optimizer-state members and hands
+the whole mini-batch to DeepSpeed's pipeline engine.
+
+Gradient timing matches SMP: every micro-batch's ``model.backward`` only accumulates locally;
+after the micro-batch loop of every ``backward_passes_per_step``-th step call the gradients are
+reduced once (DeepSpeed's ``allreduce_gradients`` with the accumulation boundary forced, the
+pattern DeepSpeed's own pipeline engine uses). ``optimizer.step()`` then runs DeepSpeed's
+``engine.step()`` at that boundary (overflow check, unscale/clip, update, zero).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from smp2ds.engine.core import deepspeed_config as dsc
+from smp2ds.engine.core.state import state
+from smp2ds.engine.exceptions import SMPUnsupportedError
+
+Initialize = Callable[..., Any]
+"""``deepspeed.initialize``-shaped: (model=, optimizer=, config=, ...) -> (engine, optimizer, ...)."""
+
+
+def _deepspeed_initialize(*, model: torch.nn.Module, optimizer: Any, config: dict, **_: Any) -> tuple:
+    import deepspeed
+
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+
+def _allow_cpu_fp16(ds: dict) -> None:
+    """DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels; PyTorch's own
+    CPU fp16 kernels work (slowly). ``SMP2DS_ALLOW_CPU_FP16=1`` lets DeepSpeed's fp16 path run on
+    them — used by the tests to exercise real loss scaling without a GPU."""
+    if dsc.precision(ds) != "fp16":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() != "cpu" or acc.is_fp16_supported():
+        return
+    if os.environ.get("SMP2DS_ALLOW_CPU_FP16") != "1":
+        raise SMPUnsupportedError(
+            "fp16 is configured but DeepSpeed does not support fp16 on this CPU (no oneDNN fp16 kernels). "
+            "Use bf16: true, run on a GPU, or set SMP2DS_ALLOW_CPU_FP16=1 to run DeepSpeed's fp16 path on "
+            "PyTorch's (slow) CPU fp16 kernels"
+        )
+    acc.is_fp16_supported = lambda: True  # instance override on DeepSpeed's accelerator singleton
+    acc.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
+
+
+class DataParallelBackend:
+    """One DeepSpeed engine (ZeRO stage 0 or 1) over the data-parallel group."""
+
+    name = "deepspeed-data-parallel"
+    cast_io = True
+    """DistributedModel casts floating inputs to the 16-bit dtype and outputs back to fp32 (SMP's
+    16-bit module wrapper); backends whose engine does it themselves set this False."""
+    collective_state_dict = False
+
+    def __init__(self, module: torch.nn.Module, plan_ds: dict, *, microbatches: int,
+                 initialize: Initialize | None = None, init_kwargs: dict | None = None):
+        self.module = module
+        self.plan_ds = dict(plan_ds)
+        self.microbatches = microbatches
+        self._initialize = initialize or _deepspeed_initialize
+        self._init_kwargs = dict(init_kwargs or {})
+        self.engine: Any = None
+        self.ds_optimizer: Any = None
+        self.ds_config: dict | None = None
+        self.has_optimizer = False
+        self.synced = False
+        self._pending_backward = False
+        self._clip_restore: Any = None
+
+    # ---- construction --------------------------------------------------------------------
+    def build(self, optimizer: torch.optim.Optimizer | None = None,
+              loss_scale: dsc.LossScaleArgs | None = None) -> None:
+        """Create the DeepSpeed engine (again, if it existed without an optimizer)."""
+        if self.engine is not None and (self.has_optimizer or optimizer is None):
+            return
+        if self.engine is not None:
+            self.engine.destroy()
+        ds = dsc.engine_config(self.plan_ds, microbatches=self.microbatches, loss_scale=loss_scale)
+        _allow_cpu_fp16(ds)
+        result = self._initialize(model=self.module, optimizer=optimizer, config=ds, **self._init_kwargs)
+        self.engine, self.ds_optimizer = result[0], result[1]
+        self.ds_config = ds
+        self.has_optimizer = optimizer is not None
+        if self.has_optimizer:
+            self.engine.set_gradient_accumulation_boundary(False)
+
+    def ensure_built(self) -> None:
+        if self.engine is None:
+            self.build(None)
+
+    @property
+    def precision(self) -> str:
+        return dsc.precision(self.ds_config or self.plan_ds)
+
+    @property
+    def zero_stage(self) -> int:
+        return dsc.zero_stage(self.ds_config or self.plan_ds)
+
+    # ---- one SMP step -----------------------------------------------------------------------
+    def run_step(self, model: Any, step_fn: Any, args: tuple, kwargs: dict) -> list[Any]:
+        """Run ``step_fn`` once per micro-batch in this process; returns the per-micro-batch results."""
+        self.ensure_built()
+        pieces = step_fn.split(args, kwargs, self.microbatches)
+        outputs = []
+        for index, (mb_args, mb_kwargs) in enumerate(pieces):
+            with model.microbatch_scope(index, len(pieces)):
+                outputs.append(step_fn.func(*mb_args, **mb_kwargs))
+        return outputs
+
+    def train(self, mode: bool) -> None:
+        if self.engine is not None:
+            self.engine.train(mode)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.ensure_built()
+        return self.engine(*args, **kwargs)
+
+    @property
+    def optimizer_state_is_sharded(self) -> bool:
+        """True when every rank holds a different part of the optimizer state (one file per rank)."""
+        return self.zero_stage >= 1
+
+    def step_backward(self, tensors: Any, grad_tensors: Any, microbatches: int, average: bool) -> None:
+        """``model.backward(tensors, grad_tensors)`` for one micro-batch (SMP semantics)."""
+        from smp2ds.engine.core.model_io import scalar_for_backward
+
+        loss = scalar_for_backward(tensors, grad_tensors)
+        if average and microbatches > 1:
+            loss = loss / microbatches  # SMP's average_grads_across_microbatches
+        self.backward(loss)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of one (already micro-batch-scaled) scalar loss, no communication."""
+        if not self.has_optimizer:
+            raise RuntimeError("model.backward needs smp.DistributedOptimizer(...) to be created first "
+                               "(DeepSpeed builds its engine around the optimizer)")
+        self.engine.backward(loss, scale_wrt_gas=False)
+        self._pending_backward = True
+        self.synced = False
+
+    def sync_gradients(self) -> None:
+        """Reduce the accumulated gradients across the data-parallel group (once per optimizer step)."""
+        if not self._pending_backward or self.synced:
+            return
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.allreduce_gradients()
+        self.synced = True
+
+    def optimizer_step(self) -> None:
+        self.sync_gradients()
+        self.engine.set_gradient_accumulation_boundary(True)
+        try:
+            self.engine.step()
+        finally:
+            self.engine.set_gradient_accumulation_boundary(False)
+            self._pending_backward = False
+            self.synced = False
+            if self._clip_restore is not None:
+                self._clip_restore()
+                self._clip_restore = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        opt = self.ds_optimizer
+        if opt is not None and hasattr(opt, "zero_grad") and (self.precision != "fp32" or self.zero_stage > 0):
+            opt.zero_grad(set_to_none=set_to_none)
+        else:
+            for p in self.module.parameters():
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.detach_().zero_()
+
+    # ---- precision and clipping ---------------------------------------------------------------
+    @property
+    def overflow(self) -> bool:
+        return bool(getattr(self.ds_optimizer, "overflow", False))
+
+    @property
+    def loss_scale(self) -> float:
+        for name in ("loss_scale", "cur_scale"):
+            value = getattr(self.ds_optimizer, name, None)
+            if isinstance(value, (int, float, torch.Tensor)):
+                return float(value)
+        return 1.0
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Global norm of the synchronised, unscaled gradients (``inf``/``nan`` on overflow)."""
+        self.sync_gradients()
+        if self.zero_stage >= 1:
+            if norm_type != 2:
+                raise SMPUnsupportedError("with shard_optimizer_state only the L2 gradient norm is available")
+            norm = self.ds_optimizer.scaled_global_norm()
+            norm = torch.as_tensor(norm, dtype=torch.float32)
+            return torch.where(norm < 0, torch.tensor(float("inf")), norm) / self.loss_scale
+        grads = [p.grad.detach().float() for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        # Gradients are identical on every data-parallel rank after the reduction.
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
+                                        norm_type)
+        return norm / self.loss_scale
+
+    def clip_for_next_step(self, max_norm: float, norm: torch.Tensor) -> None:
+        """Clip at ``max_norm`` in the coming ``optimizer.step()``."""
+        opt = self.ds_optimizer
+        if self.precision == "fp32" and self.zero_stage == 0:
+            if torch.isfinite(norm) and float(norm) > max_norm:
+                coef = max_norm / (float(norm) + 1e-6)
+                for p in self.module.parameters():
+                    if p.grad is not None:
+                        p.grad.detach().mul_(coef)
+            return
+        if not hasattr(opt, "clip_grad"):
+            warnings.warn(f"{type(opt).__name__} has no clip_grad; clip_master_grads cannot clip", stacklevel=3)
+            return
+        previous = opt.clip_grad
+        opt.clip_grad = float(max_norm)
+
+        def restore() -> None:
+            opt.clip_grad = previous
+
+        self._clip_restore = restore
+
+    def refresh_master_params(self) -> None:
+        """After the module's weights were replaced, copy them into DeepSpeed's fp32 master copy."""
+        opt = self.ds_optimizer
+        if opt is not None and hasattr(opt, "refresh_fp32_params") and (self.precision != "fp32" or self.zero_stage):
+            opt.refresh_fp32_params()
+
+    # ---- optimizer state ------------------------------------------------------------------------
+    def optimizer_state_dict(self) -> dict:
+        return self.ds_optimizer.state_dict()
+
+    def optimizer_partition(self) -> tuple[int, int]:
+        """(index, count) of this rank's optimizer-state partition in DeepSpeed's data-parallel group."""
+        return state.groups.coords.rdp_rank, state.groups.topology.rdp
+
+    def load_optimizer_state_dict(self, sd: dict) -> None:
+        """Load this rank's optimizer state (its ZeRO-1 partition when sharded)."""
+        dp_rank, dp_size = self.optimizer_partition()
+        if self.zero_stage >= 1:
+            shards: Sequence[Any] = [sd if r == dp_rank else None for r in range(dp_size)]
+            self.ds_optimizer.load_state_dict(list(shards), load_optimizer_states=True, load_from_fp32_weights=True)
+        else:
+            self.ds_optimizer.load_state_dict(sd)
+
+    # ---- module state and parameters ------------------------------------------------------------
+    @property
+    def partitioned(self) -> bool:
+        """Data-parallel models are never split, so they count as partitioned from the start."""
+        return True
+
+    def full_state_dict(self, prefix: str = "", keep_vars: bool = False) -> dict:
+        """The whole module's state dict (every rank holds all of it)."""
+        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def local_state_dict(self, prefix: str = "", keep_vars: bool = False) -> dict:
+        """What this rank holds: the whole module under data parallelism."""
+        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def load_module_state_dict(self, sd: dict, strict: bool = True) -> Any:
+        return self.module.load_state_dict(sd, strict=strict)
+
+    def local_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def local_modules(self) -> Iterable[torch.nn.Module]:
+        return self.module.modules()
+
+    def param_shard_rank(self) -> int:
+        """SMP's ``param_shard_rank``: 0 when parameters are not sharded."""
+        return 0
+
+    def param_shard_size(self) -> int:
+        """SMP's ``param_shard_size``: 1 when parameters are not sharded."""
+        return 1

@@ -1,0 +1,177 @@
+"""Bounded failure detection: when a rank dies or hangs, the others stop instead of waiting.
+
+A collective whose peer has vanished can block until the process-group timeout (30 minutes by
+default) — or forever if the peer is alive but stuck. Each rank therefore runs a daemon thread
+that talks to the rendezvous store on its own client connection:
+
+* it bumps a heartbeat counter ``hb/<rank>`` every ``interval`` seconds;
+* it watches one peer, the next rank in ring order that has not finished (``done/<rank>``), so the
+  store sees O(world) traffic rather than O(world^2);
+* when that peer's counter has not moved for ``timeout`` seconds it records the verdict in the
+  ``abort`` key (first writer wins), and every rank that reads ``abort`` prints one line naming
+  the lost rank and exits with :data:`RANK_LOST_EXIT_CODE`;
+* a rank that fails with a Python exception records ``rank N failed: ...`` at once (fast path);
+* if the store itself becomes unreachable, its host (rank 0, unless torchrun's agent hosts it)
+  is the lost rank.
+
+The timeout is ``SMP2DS_COMM_TIMEOUT`` seconds (default 300); ``0`` disables the watchdog.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from smp2ds.engine.core import comm
+
+RANK_LOST_EXIT_CODE = 75
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def timeout_from_env() -> float:
+    """``SMP2DS_COMM_TIMEOUT`` in seconds (0 disables); a bad value is an error naming the variable."""
+    raw = os.environ.get("SMP2DS_COMM_TIMEOUT", "")
+    if raw == "":
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"SMP2DS_COMM_TIMEOUT={raw!r} is not a number of seconds") from exc
+    if value < 0:
+        raise ValueError(f"SMP2DS_COMM_TIMEOUT={raw!r} must be >= 0 (0 disables the watchdog)")
+    return value
+
+
+class Watchdog:
+    """Heartbeat thread for one rank; see the module docstring for the protocol."""
+
+    def __init__(self, open_store: Callable[[], comm.Store], rank: int, world_size: int, timeout_s: float,
+                 store_host: str | None = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.interval_s = min(1.0, max(0.1, timeout_s / 5))
+        self._store = open_store()
+        self._store_host = store_host
+        self._stop = threading.Event()
+        self._verdict: str | None = None
+        self._verdict_ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"smp2ds-watchdog-{rank}", daemon=True)
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> Watchdog:
+        self._store.add(f"hb/{self.rank}", 1)
+        self._thread.start()
+        return self
+
+    def stop(self, wait_for_peers: bool = False, before_done: Callable[[], None] | None = None) -> None:
+        """Finish: stop heartbeating, run ``before_done`` (e.g. destroy the process group), mark this
+        rank done; the store host then waits for the others so its store outlives their last use."""
+        self.halt()
+        if before_done is not None and not wait_for_peers:
+            before_done()
+        try:
+            self._store.set(f"done/{self.rank}", "1")
+            if wait_for_peers:
+                self._wait_for_peers()
+        except Exception:  # noqa: BLE001 - shutting down; the store may already be gone
+            pass
+        if before_done is not None and wait_for_peers:
+            before_done()
+
+    def halt(self) -> None:
+        """Stop heartbeating without marking this rank finished."""
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def _wait_for_peers(self) -> None:
+        # The store host must outlive every client, or their last heartbeats fail and they
+        # would report it as lost. Wait while peers are finishing or still alive.
+        deadline: dict[int, float] = {}
+        pending = [r for r in range(self.world_size) if r != self.rank]
+        while pending:
+            now = time.monotonic()
+            still = []
+            for r in pending:
+                if self._store.check([f"done/{r}"]):
+                    continue
+                count = int(self._store.add(f"hb/{r}", 0))
+                last = self._seen.get(r)
+                if last is None or last[0] != count:
+                    self._seen[r] = (count, now)
+                    deadline[r] = now + self.timeout_s
+                if now < deadline.get(r, now + self.timeout_s):
+                    still.append(r)
+            pending = still
+            if pending:
+                time.sleep(self.interval_s)
+
+    # ---- failure reporting -----------------------------------------------------------------
+    def record_failure(self, message: str) -> None:
+        """Publish this rank's own failure so the others stop at once."""
+        try:
+            self._store.compare_set("abort", "", message)
+        except Exception:  # noqa: BLE001 - best effort while dying
+            pass
+
+    def wait_for_verdict(self, timeout_s: float) -> str | None:
+        """Wait until some rank's loss is known (used when a collective failed on this rank)."""
+        self._verdict_ready.wait(timeout_s)
+        return self._verdict
+
+    # ---- the thread --------------------------------------------------------------------------
+    def _target(self) -> int | None:
+        for step in range(1, self.world_size):
+            peer = (self.rank + step) % self.world_size
+            if not self._store.check([f"done/{peer}"]):
+                return peer
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                verdict = self._tick()
+            except Exception as exc:  # noqa: BLE001 - the store is gone: its host died
+                if self._stop.is_set():
+                    return
+                host = self._store_host or "the rendezvous store host"
+                verdict = f"lost the rendezvous store ({host}): {type(exc).__name__}: {exc}".strip()
+            if verdict:
+                self._abort(verdict)
+                return
+
+    def _tick(self) -> str | None:
+        self._store.add(f"hb/{self.rank}", 1)
+        if self._store.check(["abort"]):
+            return self._store.get("abort").decode()
+        peer = self._target()
+        if peer is None:
+            return None
+        now = time.monotonic()
+        count = int(self._store.add(f"hb/{peer}", 0))
+        last = self._seen.get(peer)
+        if last is None or last[0] != count:
+            self._seen[peer] = (count, now)
+            return None
+        if now - last[1] > self.timeout_s:
+            message = f"rank {peer} lost: no heartbeat for {self.timeout_s:g} s (noticed by rank {self.rank})"
+            self._store.compare_set("abort", "", message)
+            return self._store.get("abort").decode()
+        return None
+
+    def _abort(self, verdict: str) -> None:
+        self._verdict = verdict
+        self._verdict_ready.set()
+        sys.stderr.write(
+            f"smp2ds: rank {self.rank} stops because {verdict} "
+            f"(SMP2DS_COMM_TIMEOUT={self.timeout_s:g}s)\n"
+        )
+        sys.stderr.flush()
+        # The main thread may be blocked inside a C++ collective that will never return, so
+        # raising there is impossible; leave the process directly.
+        os._exit(RANK_LOST_EXIT_CODE)

@@ -1,0 +1,12 @@
+"""Built-in pipeline layer lists, registered with `smp2ds.engine.pipeline.layers.register_family`.
+
+Order matters: the first family whose ``matches`` accepts a model builds its layer list.
+"""
+
+from smp2ds.engine.pipeline.families import bert, gpt2, llama, sequential
+from smp2ds.engine.pipeline.layers import register_family
+
+register_family("torch.nn.Sequential", sequential.matches, sequential.build)
+register_family("transformers GPT2LMHeadModel", gpt2.matches, gpt2.build)
+register_family("transformers BertForSequenceClassification / BertForMaskedLM", bert.matches, bert.build)
+register_family("transformers LlamaForCausalLM", llama.matches, llama.build)

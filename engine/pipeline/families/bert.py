@@ -1,0 +1,210 @@
+"""BERT (``BertForSequenceClassification``, ``BertForMaskedLM``) as pipeline layers.
+
+Sequence classification: ``bert.embeddings`` -> each ``BertLayer`` -> pooler + dropout +
+classifier. Masked LM: the word embedding is tied to ``cls.predictions.decoder``, so the first
+layer is the tied word-embedding lookup, then the rest of the embeddings (token type + position,
+LayerNorm, dropout, in ``BertEmbeddings``' order), the encoder layers, the prediction-head
+transform, the tied decoder matmul and the decoder bias.
+Tensors between stages: ``(hidden, attention_mask, token_type_ids)`` before the embeddings are
+complete, ``(hidden, attention_mask)`` after; masks are integers and each layer rebuilds the 4-D
+mask with transformers' own mask builder. Losses follow the models' ``forward`` exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from smp2ds.engine.pipeline.families.causal_lm import Head
+from smp2ds.engine.pipeline.families.hf_common import bind_call, check_call, finish, long_mask, positions
+from smp2ds.engine.pipeline.layers import LayerList, PipeLayer, tied
+
+SUPPORTED_ARGS = ("input_ids", "attention_mask", "token_type_ids", "labels")
+
+
+def matches(model: nn.Module) -> bool:
+    return type(model).__name__ in ("BertForSequenceClassification", "BertForMaskedLM") and hasattr(model, "bert")
+
+
+def _attention_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor) -> Any:
+    from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+    if config.is_decoder:
+        return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None)
+    return create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=mask)
+
+
+class Embeddings(nn.Module):
+    """The whole ``BertEmbeddings`` (untied case), run through its own ``forward``."""
+
+    def __init__(self, embeddings: nn.Module):
+        super().__init__()
+        self.embeddings = embeddings
+
+    def forward(self, inputs: tuple) -> tuple:
+        input_ids, mask, token_type_ids = inputs
+        return self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids), mask
+
+
+def _word_embedding(shared: nn.Module, inputs: tuple) -> tuple:
+    input_ids, mask, token_type_ids = inputs
+    return shared.module(input_ids), mask, token_type_ids
+
+
+class EmbeddingRest(nn.Module):
+    """``BertEmbeddings`` after the word lookup: + token type, + position, LayerNorm, dropout."""
+
+    def __init__(self, embeddings: nn.Module):
+        super().__init__()
+        self.token_type_embeddings = embeddings.token_type_embeddings
+        self.position_embeddings = embeddings.position_embeddings
+        self.LayerNorm = embeddings.LayerNorm
+        self.dropout = embeddings.dropout
+
+    def forward(self, inputs: tuple) -> tuple:
+        embeds, mask, token_type_ids = inputs
+        # Same additions in the same order as BertEmbeddings.forward (float sums are order-sensitive).
+        hidden = embeds + self.token_type_embeddings(token_type_ids)
+        hidden = hidden + self.position_embeddings(positions(embeds))
+        return self.dropout(self.LayerNorm(hidden)), mask
+
+
+class Layer(nn.Module):
+    """One ``BertLayer`` with its attention mask built from the integer padding mask."""
+
+    def __init__(self, layer: nn.Module, config: Any):
+        super().__init__()
+        self.layer = layer
+        self.config = config
+
+    def forward(self, inputs: tuple) -> tuple:
+        hidden, mask = inputs
+        return self.layer(hidden, _attention_mask(self.config, hidden, mask)), mask
+
+
+class ClassifierHead(nn.Module):
+    """Pooler (first token, dense, tanh) -> dropout -> classifier, as the model's forward."""
+
+    def __init__(self, pooler: nn.Module, dropout: nn.Module, classifier: nn.Module):
+        super().__init__()
+        self.pooler, self.dropout, self.classifier = pooler, dropout, classifier
+
+    def forward(self, inputs: tuple) -> torch.Tensor:
+        return self.classifier(self.dropout(self.pooler(inputs[0])))
+
+
+class Transform(nn.Module):
+    """``cls.predictions.transform`` (dense, activation, LayerNorm); drops the mask."""
+
+    def __init__(self, transform: nn.Module):
+        super().__init__()
+        self.transform = transform
+
+    def forward(self, inputs: tuple) -> torch.Tensor:
+        return self.transform(inputs[0])
+
+
+def _tied_decoder(shared: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return F.linear(hidden, shared.module.weight)
+
+
+class DecoderBias(nn.Module):
+    """The decoder's output bias (a parameter shared by ``cls.predictions`` and its decoder)."""
+
+    def __init__(self, bias: nn.Parameter):
+        super().__init__()
+        self.bias = bias
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits + self.bias
+
+
+class BertAdapter:
+    """``model(input_ids, attention_mask=..., token_type_ids=..., labels=...)`` <-> pipeline tensors."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def pipe_inputs(self, args: tuple, kwargs: dict) -> tuple:
+        bound = bind_call(self.model, args, kwargs)
+        check_call(self.model, bound, SUPPORTED_ARGS)
+        ids = bound["input_ids"]
+        tt = bound.get("token_type_ids")
+        # BertEmbeddings' default token types are its all-zero buffer.
+        tt = torch.zeros_like(ids, dtype=torch.long) if tt is None else tt.to(torch.long)
+        return ids, long_mask(bound.get("attention_mask"), ids), tt
+
+    def make_output(self, logits: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        bound = bind_call(self.model, args, kwargs)
+        check_call(self.model, bound, SUPPORTED_ARGS)
+        labels = bound.get("labels")
+        if type(self.model).__name__ == "BertForMaskedLM":
+            from transformers.modeling_outputs import MaskedLMOutput
+
+            loss = None
+            if labels is not None:
+                loss = F.cross_entropy(logits.view(-1, self.model.config.vocab_size),
+                                       labels.to(logits.device).view(-1))
+            return finish(MaskedLMOutput(loss=loss, logits=logits), bound, self.model.config)
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        loss = None if labels is None else _classification_loss(self.model, logits, labels.to(logits.device))
+        return finish(SequenceClassifierOutput(loss=loss, logits=logits), bound, self.model.config)
+
+
+def _classification_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``BertForSequenceClassification``'s loss, including its ``problem_type`` inference."""
+    config, n = model.config, model.num_labels
+    if config.problem_type is None:
+        if n == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    if config.problem_type == "regression":
+        return F.mse_loss(logits.squeeze(), labels.squeeze()) if n == 1 else F.mse_loss(logits, labels)
+    if config.problem_type == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, n), labels.view(-1))
+    return F.binary_cross_entropy_with_logits(logits, labels)
+
+
+def build(model: nn.Module) -> LayerList:
+    bert, config = model.bert, model.config
+    emb = bert.embeddings
+    layers: list[PipeLayer] = []
+    is_mlm = type(model).__name__ == "BertForMaskedLM"
+    decoder = model.cls.predictions.decoder if is_mlm else None
+    is_tied = is_mlm and decoder.weight is emb.word_embeddings.weight
+    if is_tied:
+        rest = EmbeddingRest(emb)
+        layers.append(PipeLayer(name="bert.embeddings.word_embeddings",
+                                entry=tied("bert_word_embeddings", emb.word_embeddings, _word_embedding),
+                                modules=(emb.word_embeddings,), owners=(emb.word_embeddings,)))
+        layers.append(PipeLayer(name="bert.embeddings", entry=rest, modules=(rest,), owners=(emb,)))
+    else:
+        layers.append(PipeLayer(name="bert.embeddings", entry=Embeddings(emb), modules=(emb,), owners=(emb,)))
+    layers += [PipeLayer(name=f"bert.encoder.layer.{i}", entry=Layer(layer, config), modules=(layer,),
+                         owners=(layer,)) for i, layer in enumerate(bert.encoder.layer)]
+    if not is_mlm:
+        head = ClassifierHead(bert.pooler, model.dropout, model.classifier)
+        layers.append(PipeLayer(name="bert.pooler+classifier", entry=head, modules=(head,),
+                                owners=(bert.pooler, model.classifier)))
+        return LayerList(family=type(model).__name__, layers=tuple(layers), adapter=BertAdapter(model), model=model)
+    pred = model.cls.predictions
+    layers.append(PipeLayer(name="cls.predictions.transform", entry=Transform(pred.transform),
+                            modules=(pred.transform,), owners=(pred.transform,)))
+    if is_tied:
+        bias = DecoderBias(decoder.bias)
+        layers.append(PipeLayer(name="cls.predictions.decoder",
+                                entry=tied("bert_word_embeddings", emb.word_embeddings, _tied_decoder),
+                                modules=(emb.word_embeddings,), owners=(decoder,),
+                                compute=2.0 * decoder.weight.numel()))
+        layers.append(PipeLayer(name="cls.predictions.bias", entry=bias, modules=(bias,), owners=(decoder,)))
+    else:
+        layers.append(PipeLayer(name="cls.predictions.decoder", entry=Head(decoder), modules=(decoder,),
+                                owners=(decoder,)))
+    return LayerList(family=type(model).__name__, layers=tuple(layers), adapter=BertAdapter(model), model=model)
