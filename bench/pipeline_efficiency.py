@@ -106,7 +106,7 @@ def _rank(rank: int, init: str, args, out) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=PP)
-        from smp2ds.engine.pipeline import build_pipeline
+        from smp2ds.engine.pipeline import build_pipeline, plan_for
         from smp2ds.translator.topology import Topology
 
         x, y = _data(args.batch, args.width)
@@ -114,9 +114,10 @@ def _rank(rank: int, init: str, args, out) -> None:
         for schedule in args.schedules:
             for m in args.microbatches:
                 model = _model(args.width, args.blocks)
-                runner = build_pipeline(model, {"pipeline_parallel_degree": PP, "microbatches": m,
-                                                "pipeline": schedule, "active_microbatches": m},
-                                        Topology.for_world(PP, PP), {"gradient_clipping": 0.0})
+                cfg = {"pipeline_parallel_degree": PP, "microbatches": m, "pipeline": schedule,
+                       "active_microbatches": m}
+                runner = build_pipeline(model, plan_for(cfg, PP, {"gradient_clipping": 0.0}),
+                                        Topology.for_world(PP, PP))
                 runner.attach_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
                 calls = [((runner, xs, ys), {}) for xs, ys in zip(x.chunk(m), y.chunk(m))]
                 base = _model(args.width, args.blocks)

@@ -23,6 +23,7 @@ from typing import Any
 
 from .layout import params_pointer
 from .model import Fate, KeyNote, SMPConfig
+from .tensor_parallel import TP_UNSUPPORTED
 
 Condition = Callable[[Mapping[str, Any], Any], bool]
 
@@ -70,10 +71,8 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
     "pipeline_parallel_degree": _PP_RULES,
     "partitions": _PP_RULES,
     "tensor_parallel_degree": (
-        _r("mapped", "/deepspeed/tensor_parallel/autotp_size",
-           "DeepSpeed AutoTP training where it supports the model; the engine swaps in its own "
-           "column/row-parallel layers where AutoTP refuses it (GPT-2 Conv1D, BERT)", "tp"),
-        _r("mapped", "/topology/tensor_parallel_degree", "1 = no tensor parallelism; nothing to emit"),
+        _r("unsupported", None, TP_UNSUPPORTED, "tp"),
+        _r("ignored", None, "1 = no tensor parallelism; nothing to emit"),
     ),
     "sharded_data_parallel_degree": (
         _r("engine", "/engine/mics/shard_size",
@@ -188,14 +187,15 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
            "parallelism is off; stage 3 when sharded data parallelism is on", "always"),
     ),
     "offload_activations": (
-        _r("mapped", "/deepspeed/activation_checkpointing/cpu_checkpointing",
-           "checkpointed activations are kept on the CPU (modules chosen with "
-           "smp.set_activation_checkpointing)"),
+        _r("engine", "/engine/activation_checkpointing/offload",
+           "the inputs saved by checkpointed modules (smp.set_activation_checkpointing, smp.checkpoint) are "
+           "moved to CPU memory in forward and brought back for backward", "true"),
+        _r("ignored", None, "false: checkpointed activations stay on the device"),
     ),
     "activation_loading_horizon": (
         _r("engine", "/engine/activation_checkpointing/loading_horizon",
-           "how early offloaded activations are brought back; DeepSpeed's cpu_checkpointing has no prefetch "
-           "setting", "offload"),
+           "at most this many offloaded activations are prefetched back ahead of the backward pass that "
+           "needs them", "offload"),
         _r("ignored", None, "only matters with offload_activations"),
     ),
     "task_level_activation_loading_horizon": (
@@ -215,11 +215,9 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
            "already sharded (deepspeed.zero.Init in the shard group)"),
     ),
     "prescaled_batch": (
-        _r("engine", "/engine/batch/prescaled_batch",
-           "false: every tensor-parallel rank brings its own batch and the engine gathers them "
-           "(DeepSpeed sees "
-           "tp x the per-rank batch); true: the ranks of a tensor-parallel group share one batch", "tp"),
-        _r("engine", "/engine/batch/prescaled_batch", "no effect with tensor_parallel_degree 1"),
+        _r("ignored", None, "only matters with tensor parallelism, which smp2ds does not run yet "
+           "(tensor_parallel_degree is refused)", "tp"),
+        _r("ignored", None, "only matters with tensor_parallel_degree > 1"),
     ),
     "checkpoint_attentions": (
         _r("ignored", None,
@@ -246,7 +244,8 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
         _r("ignored", None, "false: default accumulation"),
     ),
     "tensor_parallel_seed": (
-        _r("engine", "/engine/tensor_parallel/seed", "seed of the RNG inside tensor-parallel modules", "tp"),
+        _r("ignored", None, "seeds tensor-parallel modules, which smp2ds does not run yet "
+           "(tensor_parallel_degree is refused)", "tp"),
         _r("ignored", None, "no tensor parallelism"),
     ),
     # --- sharded data parallelism --------------------------------------------------------------
@@ -311,11 +310,12 @@ KEYMAP_V2: dict[str, tuple[Rule, ...]] = {
     "sm_activation_offloading": (
         _r("ignored", None,
            "chooses SMP v2's prefetching offload implementation over PyTorch's; smp2ds has one "
-           "implementation (DeepSpeed cpu_checkpointing)"),
+           "implementation (SMP v1's offload_activations)"),
     ),
     "activation_loading_horizon": (
-        _r("engine", "/engine/activation_checkpointing/loading_horizon",
-           "how early offloaded activations are brought back"),
+        _r("ignored", None,
+           "SMP v2 applies it to its own activation offloading, which the engine does not run for v2 "
+           "configurations (the engine implements the SMP v1 API)"),
     ),
     "fsdp_cache_flush_warnings": (
         _r("ignored", None, "PyTorch FSDP allocator warnings; the plan runs on DeepSpeed, not FSDP"),
@@ -324,7 +324,8 @@ KEYMAP_V2: dict[str, tuple[Rule, ...]] = {
         _r("ignored", None, "FSDP checkpointing workaround; DeepSpeed ZeRO pads partitions instead"),
     ),
     "random_seed": (
-        _r("engine", "/engine/tensor_parallel/seed", "seed of the RNG inside tensor-parallel modules"),
+        _r("ignored", None, "seeds SMP v2's tensor-parallel modules; smp2ds does not run tensor parallelism "
+           "yet"),
     ),
 }
 

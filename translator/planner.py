@@ -23,6 +23,7 @@ from .model import Layout, Plan, SMPConfig
 from .normalize import fixups
 from .precision import dtype_of, gradient_clipping, precision_blocks
 from .semantics import resolve_v1
+from .pipeline_schedule import choose_schedule
 from .tensor_parallel import engine_tensor_parallel, tensor_parallel_block
 from .topology import Topology
 from .zero import top_level as zero_top_level
@@ -216,10 +217,14 @@ def _engine_pipeline(params: Mapping[str, Any], remarks: list[str]) -> dict[str,
             "'interleaved' (1F1B), so does the plan"
         )
         schedule = "1f1b"
+    choice = choose_schedule(params["pipeline"], m, active, pp)
+    if schedule != "forward_only":
+        schedule = choice.kind  # one decision: what the engine runs is what the plan says
     return {
         "enabled": pp > 1,
         "stages": pp,
         "schedule": schedule,
+        "schedule_choice": choice.to_dict(),
         "microbatches": m,
         "active_microbatches": active,
         "partition": {

@@ -1,10 +1,10 @@
-"""Tensor parallelism: SMP ``tensor_parallel_degree`` -> DeepSpeed AutoTP or the engine's layers.
+"""Tensor parallelism: SMP ``tensor_parallel_degree``.
 
-DeepSpeed AutoTP training (``tensor_parallel.autotp_size``) shards models it knows (LLaMA-style
-``nn.Linear`` stacks, Hugging Face models with a ``base_model_tp_plan``) and refuses others (GPT-2's
-Conv1D). The engine keeps AutoTP where it works and swaps in its own Megatron-style
-column/row-parallel layers where it does not (design.md section 3); it removes ``autotp_size``
-from the config it hands DeepSpeed in that case.
+The engine does not run tensor parallelism yet, so a plan with ``tensor_parallel_degree > 1``
+reports the key ``unsupported`` (reason: :data:`TP_UNSUPPORTED`) and ``smp.init`` refuses it with
+the same words. The Megatron section still shows the layout such a run would use. The DeepSpeed
+``tensor_parallel`` block stays empty: emitting AutoTP settings the engine does not honour would
+be a claim the runtime cannot keep.
 """
 
 from __future__ import annotations
@@ -13,10 +13,16 @@ from collections.abc import Mapping
 from typing import Any
 
 
+TP_UNSUPPORTED = (
+    "tensor parallelism is not implemented by smp2ds yet; use tensor_parallel_degree 1 "
+    "(data parallelism, sharded_data_parallel_degree or pipeline_parallel_degree)"
+)
+"""Why ``tensor_parallel_degree > 1`` is refused: the keymap's reason and ``smp.init``'s message."""
+
+
 def tensor_parallel_block(params: Mapping[str, Any]) -> dict[str, Any]:
-    """DeepSpeed ``tensor_parallel`` block; empty when there is no tensor parallelism."""
-    tp = params.get("tensor_parallel_degree", 1)
-    return {"autotp_size": tp} if tp > 1 else {}
+    """DeepSpeed ``tensor_parallel`` block: empty (the engine does not run tensor parallelism)."""
+    return {}
 
 
 def engine_tensor_parallel(params: Mapping[str, Any], seed: int | None = None) -> dict[str, Any]:
@@ -25,10 +31,8 @@ def engine_tensor_parallel(params: Mapping[str, Any], seed: int | None = None) -
     return {
         "enabled": tp > 1,
         "degree": tp,
-        "implementation": "deepspeed_autotp",
-        "fallback": "smp2ds column/row-parallel layers (GPT-2 Conv1D, BERT)",
+        "implementation": None,
+        "unsupported": TP_UNSUPPORTED if tp > 1 else None,
         "seed": params.get("tensor_parallel_seed", 0) if seed is None else seed,
-        # SMP: with prescaled_batch false each TP rank brings its own batch; AutoTP needs the
-        # group to see identical inputs, so the engine gathers the group's batches.
-        "input_gather": tp > 1 and not params.get("prescaled_batch", False),
+        "prescaled_batch": bool(params.get("prescaled_batch", False)),
     }

@@ -70,6 +70,20 @@ def world_group() -> ProcessGroup:
     return dist.group.WORLD
 
 
+def default_group() -> ProcessGroup:
+    """The current default (world) process group object; changes identity after a re-init."""
+    return dist.distributed_c10d._get_default_group()
+
+
+def get_process_group_ranks(group: ProcessGroup) -> list[int]:
+    """Global ranks of ``group``'s members, in group-rank order."""
+    return dist.get_process_group_ranks(group)
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    return str(dist.get_backend(group))
+
+
 def get_rank(group: ProcessGroup | None = None) -> int:
     return dist.get_rank(group)
 
@@ -85,6 +99,18 @@ def barrier(group: ProcessGroup | None = None) -> None:
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None) -> torch.Tensor:
     dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Broadcast ``tensor`` in place from global rank ``src``."""
+    dist.broadcast(tensor, src, group=group)
+    return tensor
+
+
+def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group: ProcessGroup | None = None,
+                           async_op: bool = False) -> Any:
+    """Concatenate every member's ``input_`` into ``output``; returns the work handle when ``async_op``."""
+    return dist.all_gather_into_tensor(output, input_, group=group, async_op=async_op)
 
 
 def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:

@@ -74,7 +74,14 @@ def _translate(merged: dict[str, Any], launch: launch_env.LaunchEnv) -> tuple[An
 
     layout = Layout(world_size=launch.world_size, gpus_per_node=launch.local_size)
     cfg = normalize(merged, layout)
-    return cfg, plan(cfg, layout)
+    result = plan(cfg, layout)
+    refused = [Issue(n.pointer, f"{n.key} is not supported: {n.reason}", given=n.value)
+               for n in result.notes if n.fate == "unsupported"]
+    if refused:
+        # What the plan reports as unsupported is refused here, with the same reason, never
+        # accepted silently and never left to fail later inside DeepSpeed.
+        raise SMPConfigError(refused)
+    return cfg, result
 
 
 def init(config: Mapping[str, Any] | None = None) -> None:
@@ -132,16 +139,13 @@ def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> 
     import torch
 
     comm.init_deepspeed(backend)
-    topology = _topology(cfg, plan, launch)
-    if topology.pp > 1:
-        try:
-            from smp2ds.engine import pipeline
+    topology = _topology(plan, launch)
+    if plan.engine["pipeline"]["enabled"]:
+        from smp2ds.engine.pipeline import manual
 
-            pipeline.configure_partitions(topology.pp)  # smp.partition(i) then rejects i >= pp at once
-        except ImportError:
-            pass
+        manual.configure(topology.pp)  # smp.partition(i) then rejects i >= pp at once
     state.groups = create_groups(topology, launch.rank)
-    state.mics_groups = _mics_groups(cfg, topology, launch)
+    state.mics_groups = _mics_groups(plan, topology, launch)
     state.config, state.plan, state.launch, state.backend_name = cfg, plan, launch, backend
     state.cfg = ConfigView(cfg, plan)
     os.environ.update({"RANK": str(launch.rank), "WORLD_SIZE": str(launch.world_size),
@@ -161,26 +165,27 @@ def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> 
         state.cfg.display_config()
 
 
-def _mics_groups(cfg: Any, topology: Any, launch: launch_env.LaunchEnv) -> Any:
+def _mics_groups(plan: Any, topology: Any, launch: launch_env.LaunchEnv) -> Any:
     """Shard/replica groups for sharded data parallelism, created at init (collective) because
-    ``smp.delay_param_initialization()`` needs them before the model is wrapped."""
-    if int(cfg.sharded_data_parallel_degree) <= 1:
+    ``smp.delay_param_initialization()`` needs them before the model is wrapped. Shard size,
+    ranks per node and the hierarchical all-gather decision are the Plan's."""
+    mics = plan.engine["mics"]
+    if not mics["enabled"]:
         return None
-    try:
-        from smp2ds.engine import mics
-    except ImportError:
-        return None  # DistributedModel reports the missing engine with the config key
-    return mics.MicsGroups.create(topology, int(cfg.sharded_data_parallel_degree), rank=launch.rank,
-                                  ranks_per_node=launch.local_size, hierarchical=bool(cfg.sdp_hierarchical_allgather))
+    from smp2ds.engine.mics.shard_groups import MicsGroups
+
+    return MicsGroups.create(topology, int(mics["shard_size"]), rank=launch.rank,
+                             ranks_per_node=int(plan.topology["ranks_per_node"]),
+                             hierarchical=bool(mics["hierarchical_allgather"]))
 
 
-def _topology(cfg: Any, plan: Any, launch: launch_env.LaunchEnv) -> Any:
+def _topology(plan: Any, launch: launch_env.LaunchEnv) -> Any:
+    """The rank layout the Plan chose (degrees and placement), for this launch's world size."""
     from smp2ds.translator.topology import Topology
 
-    topo = dict(plan.topology)
-    return Topology.for_world(launch.world_size, pp=int(cfg.pipeline_parallel_degree),
-                              tp=int(cfg.tensor_parallel_degree),
-                              placement=str(topo.get("placement") or cfg.placement_strategy))
+    topo = plan.topology
+    return Topology.for_world(launch.world_size, pp=int(topo["pipeline_parallel_degree"]),
+                              tp=int(topo["tensor_parallel_degree"]), placement=str(topo["placement"]))
 
 
 def shutdown() -> None:

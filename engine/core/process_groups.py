@@ -8,6 +8,7 @@ Groups spanning the whole world reuse the world group instead of creating a dupl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,22 @@ class ProcessGroups:
     def group_of(self, kind: str, ranks: list[int]) -> Any:
         """The handle of a specific group (e.g. another stage's dp group), or None if this rank is not in it."""
         return self.all_handles.get((kind, tuple(ranks)))
+
+
+def own_group(groups: Sequence[Sequence[int]], rank: int, reuse_world: bool = False) -> Any:
+    """Create every group in ``groups`` (collective: all ranks, same order) and return the one
+    holding ``rank`` (None if none does). The only place the engine creates process groups.
+
+    ``reuse_world``: a group spanning the whole world is the world group, not a duplicate.
+    """
+    world = list(range(comm.get_world_size()))
+    mine = None
+    for ranks in groups:
+        ranks = list(ranks)
+        handle = comm.world_group() if reuse_world and ranks == world else comm.new_group(ranks)
+        if rank in ranks:
+            mine = handle
+    return mine
 
 
 def create_groups(topology: Topology, rank: int) -> ProcessGroups:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from smp2ds.engine.core import comm
 
 # id(shard group) -> (shard group, inter group, intra group, nodes, per node). The group object is
 # kept so its id cannot be reused by a later group while registered.
@@ -68,9 +68,9 @@ def hierarchical_all_gather(output: torch.Tensor, input_: torch.Tensor, inter_gr
                          f"{p} x {nodes} nodes x {per_node} per node")
     # The input is often a view into the output (DeepSpeed gathers in place): copy it out first.
     across = torch.empty(nodes * p, dtype=input_.dtype, device=input_.device)
-    dist.all_gather_into_tensor(across, input_.contiguous().view(-1).clone(), group=inter_group)
+    comm.all_gather_into_tensor(across, input_.contiguous().view(-1).clone(), group=inter_group)
     gathered = torch.empty(nodes * per_node * p, dtype=input_.dtype, device=input_.device)
-    work = dist.all_gather_into_tensor(gathered, across, group=intra_group, async_op=async_op)
+    work = comm.all_gather_into_tensor(gathered, across, group=intra_group, async_op=async_op)
     handle = _HierarchicalHandle(work, gathered, output, nodes, per_node)
     if not async_op:
         handle.wait()

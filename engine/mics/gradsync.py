@@ -23,7 +23,7 @@ import functools
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from smp2ds.engine.core import comm
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 _REQUIRED = ("averaged_gradients", "fp16_groups", "step", "fp32_partitioned_groups_flat", "dp_process_group")
@@ -102,9 +102,9 @@ def _average(flat: torch.Tensor, group: Any, replicas: int) -> None:
     # Half precision: divide first so the sum cannot overflow; fp32: divide after (fewer roundings).
     if flat.dtype in (torch.float16, torch.bfloat16):
         flat.div_(replicas)
-        dist.all_reduce(flat, group=group)
+        comm.all_reduce(flat, group=group)
     else:
-        dist.all_reduce(flat, group=group)
+        comm.all_reduce(flat, group=group)
         flat.div_(replicas)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
+from smp2ds.engine.core import comm
 
 from smp2ds.engine.mics.shard_groups import MicsGroups
 
@@ -31,7 +31,7 @@ class ShardGroupMPU:
         return self._groups.shard_size
 
     def get_data_parallel_rank(self) -> int:
-        return dist.get_rank(group=self._groups.shard_group)
+        return comm.get_rank(self._groups.shard_group)
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         return list(self._groups.layout.shard_ranks)
@@ -54,4 +54,4 @@ class ShardGroupMPU:
     get_pipeline_model_parallel_rank = get_model_parallel_rank
 
     def get_tensor_model_parallel_src_rank(self) -> int:
-        return dist.get_rank()
+        return comm.get_rank()

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
+from smp2ds.engine.core import comm
+from smp2ds.engine.core.process_groups import own_group
 from smp2ds.translator.topology import Topology
 
 from smp2ds.engine.mics.layout import MicsLayout, ranks_per_node_from_env
@@ -55,33 +55,29 @@ class MicsGroups:
         so parameters created under ``mics_init_context`` and the engine built later share one
         shard group (DeepSpeed and the hierarchical all-gather match groups by identity).
         """
-        if not dist.is_initialized():
+        if not comm.is_initialized():
             raise RuntimeError("MicsGroups.create needs torch.distributed initialised first (smp.init does it)")
-        rank = dist.get_rank() if rank is None else rank
-        if topology.world_size != dist.get_world_size():
+        rank = comm.get_rank() if rank is None else rank
+        if topology.world_size != comm.get_world_size():
             raise ValueError(f"topology world_size({topology.world_size}) != torch.distributed world size "
-                             f"({dist.get_world_size()})")
+                             f"({comm.get_world_size()})")
         if ranks_per_node is None:
             ranks_per_node = ranks_per_node_from_env()
         key = (topology, shard_size, rank, ranks_per_node, bool(hierarchical))
-        world = c10d._get_default_group()
+        world = comm.default_group()
         cached = _CACHE.get(key)
         if cached is not None and cached[0] is world:
             return cached[1]
         layout = MicsLayout.build(topology, shard_size, rank, ranks_per_node, hierarchical)
         mine: dict[str, Any] = {}
-        for name, groups in (("shard", layout.shard_groups), ("replica", layout.replica_groups),
-                             ("self", tuple((r,) for r in range(layout.world_size)))):
-            for ranks in groups:
-                handle = dist.new_group(list(ranks))
-                if rank in ranks:
-                    mine[name] = handle
+        kinds = [("shard", layout.shard_groups), ("replica", layout.replica_groups),
+                 ("self", tuple((r,) for r in range(layout.world_size)))]
         for plan in layout.hierarchical:
-            for name, subgroups in (("inter", plan.inter_groups), ("intra", plan.intra_groups)):
-                for ranks in subgroups:
-                    handle = dist.new_group(list(ranks))
-                    if rank in ranks:
-                        mine[name] = handle
+            kinds += [("inter", plan.inter_groups), ("intra", plan.intra_groups)]
+        for name, groups in kinds:
+            handle = own_group(groups, rank)
+            if handle is not None:
+                mine[name] = handle
         groups = cls(layout=layout, shard_group=mine["shard"], replica_group=mine["replica"],
                      self_group=mine["self"], inter_group=mine.get("inter"), intra_group=mine.get("intra"))
         _CACHE[key] = (world, groups)

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from smp2ds.engine.core import comm
 
 from smp2ds.engine.mics.allgather import install_hierarchical_allgather
 from smp2ds.engine.mics.gradsync import install_replica_allreduce
@@ -73,7 +73,7 @@ def _group_local_broadcast_src() -> Iterator[None]:
 
     def broadcast(tensor: torch.Tensor, src: int, group: Any = None, *args: Any, **kwargs: Any) -> Any:
         if group is not None:
-            ranks = dist.get_process_group_ranks(group)
+            ranks = comm.get_process_group_ranks(group)
             if src not in ranks:
                 src = ranks[0]
         return original(tensor, src, group, *args, **kwargs)
@@ -100,12 +100,12 @@ def sync_replicas(model: torch.nn.Module, groups: MicsGroups) -> None:
             tensors = [p.ds_tensor, p.data] if hasattr(p, "ds_tensor") else [p.data]
             for tensor in tensors:
                 if tensor.numel():
-                    dist.broadcast(tensor, src_replica, group=groups.replica_group)
+                    comm.broadcast(tensor, src_replica, group=groups.replica_group)
         for b in model.buffers():
             if groups.replicas > 1:
-                dist.broadcast(b.data, src_replica, group=groups.replica_group)
+                comm.broadcast(b.data, src_replica, group=groups.replica_group)
             if groups.shard_size > 1:
-                dist.broadcast(b.data, src_shard, group=groups.shard_group)
+                comm.broadcast(b.data, src_shard, group=groups.shard_group)
 
 
 def initialize(model: torch.nn.Module, optimizer: Any, ds_config: Mapping[str, Any], groups: MicsGroups,

@@ -9,9 +9,9 @@ Integration surface for the engine core (``smp.init`` / ``DistributedModel`` / `
     pipeline.configure_partitions(cfg.pipeline_parallel_degree)
 
     # DistributedModel(module) when pp > 1 (collective over the world: creates groups)
-    runner = pipeline.build_pipeline(module, cfg, topology, plan.deepspeed)
-    #   cfg: SMPConfig (or a dict of SMP keys); topology: smp2ds.translator.topology.Topology
-    #   -> raises SMPConfigError (ZeRO-2/3, tp > 1, bad keys), UnsupportedModelError (no layer list)
+    runner = pipeline.build_pipeline(module, plan, topology)
+    #   plan: the translator's Plan (pipeline.plan_for(cfg_dict) for tests); topology: smp2ds.translator.topology.Topology
+    #   -> raises SMPConfigError (ZeRO-2/3 override), UnsupportedModelError (no layer list)
 
     # DistributedOptimizer(opt): keep this stage's parameters; before the first step
     runner.attach_optimizer(opt)
@@ -45,7 +45,7 @@ from smp2ds.engine.pipeline.manual import clear as clear_partitions
 from smp2ds.engine.pipeline.manual import configure as configure_partitions
 from smp2ds.engine.pipeline.manual import partition, set_partition
 from smp2ds.engine.pipeline.runner import PipelineRunner
-from smp2ds.engine.pipeline.settings import PipelineSettings, ScheduleChoice, choose_schedule
+from smp2ds.engine.pipeline.settings import PipelineSettings, ScheduleChoice, choose_schedule, plan_for
 from smp2ds.engine.pipeline.partition_plan import PartitionPlan, StageInfo, plan_partition
 from smp2ds.engine.pipeline import families  # noqa: F401  (registers the built-in layer lists)
 
@@ -65,18 +65,20 @@ __all__ = [
     "clear_partitions",
     "configure_partitions",
     "partition",
+    "plan_for",
     "plan_partition",
     "set_partition",
 ]
 
 
-def build_pipeline(model: Any, cfg: Any, topology: Any, ds_config: dict | None = None) -> PipelineRunner:
+def build_pipeline(model: Any, plan: Any, topology: Any) -> PipelineRunner:
     """Split ``model`` into pipeline stages and return the runner that trains it.
 
-    Must be called on every rank at the same point (it creates process groups). ``ds_config``
-    is the DeepSpeed config from the Plan; its batch keys are filled in at the first step, when
-    the micro-batch size is known.
+    Must be called on every rank at the same point (it creates process groups). ``plan`` is the
+    translator's Plan (``PipelineSettings.plan_for(cfg_dict, world_size)`` makes one from an SMP
+    parameter dict): the stages, schedule and partition rules come from ``plan.engine["pipeline"]``
+    and the DeepSpeed config from ``plan.deepspeed``; its batch keys are filled in at the first
+    step, when the micro-batch size is known.
     """
-    ds_config = dict(ds_config or {})
-    settings = PipelineSettings.from_config(cfg, ds_config)
-    return PipelineRunner(model, settings, topology, ds_config)
+    settings = PipelineSettings.from_plan(plan)
+    return PipelineRunner(model, settings, topology, dict(plan.deepspeed))

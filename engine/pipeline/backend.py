@@ -33,7 +33,7 @@ class PipelineBackend(DataParallelBackend):
         self.microbatches = microbatches
         self.has_optimizer = False
         self._clip_restore = None
-        self.runner = pipeline.build_pipeline(module, state.config, state.groups.topology, dict(state.plan.deepspeed))
+        self.runner = pipeline.build_pipeline(module, state.plan, state.groups.topology)
         self._state = state
         self._calls = 0
 

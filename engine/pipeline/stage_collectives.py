@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from smp2ds.engine.core import comm
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -77,20 +77,17 @@ def _unpack(obj: Any) -> Any:
 
 def broadcast_object(obj: Any, src: int, group: Any) -> Any:
     """``obj`` from global rank ``src`` on every rank of ``group`` (tensors arrive on CPU)."""
-    box = [map_tensors(obj, _Packed) if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return _unpack(box[0])
+    packed = map_tensors(obj, _Packed) if comm.get_rank() == src else None
+    return _unpack(comm.broadcast_object(packed, src, group))
 
 
 def all_gather_objects(obj: Any, group: Any) -> list[Any]:
     """Every rank's ``obj`` (tensors on CPU), ordered by rank within ``group``."""
-    out: list[Any] = [None] * dist.get_world_size(group=group)
-    dist.all_gather_object(out, map_tensors(obj, lambda t: t.detach().cpu()), group=group)
-    return out
+    return comm.all_gather_object(map_tensors(obj, lambda t: t.detach().cpu()), group=group)
 
 
 def process_info() -> tuple[bool, int, int, str]:
     """``(initialised, global rank, world size, backend)`` of the default process group."""
-    if not dist.is_initialized():
+    if not comm.is_initialized():
         return False, 0, 1, ""
-    return True, dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
+    return True, comm.get_rank(), comm.get_world_size(), comm.get_backend()

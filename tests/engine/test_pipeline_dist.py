@@ -122,7 +122,7 @@ def _manual_gpt2(model) -> None:
 
 def _train_case(case: dict) -> dict:
     import torch.distributed as dist
-    from smp2ds.engine.pipeline import build_pipeline, clear_partitions
+    from smp2ds.engine.pipeline import build_pipeline, clear_partitions, plan_for
     from smp2ds.translator.topology import Topology
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -137,7 +137,7 @@ def _train_case(case: dict) -> dict:
            "auto_partition": manual is None, "default_partition": 0 if manual else None}
     ds_config = {"gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
                  "zero_optimization": {"stage": case.get("zero", 0)}}
-    runner = build_pipeline(model, cfg, topo, ds_config)
+    runner = build_pipeline(model, plan_for(cfg, world, ds_config), topo)
     runner.attach_optimizer(make_optimizer(kind, model.parameters()))
     dp_rank = topo.coords(rank).rdp_rank
     losses, everywhere = [], []

@@ -10,6 +10,7 @@ import pytest
 import torch
 from smp2ds.engine.pipeline import (
     PipelineSettings,
+    plan_for,
     UnsupportedModelError,
     build_layer_list,
     choose_schedule,
@@ -348,13 +349,23 @@ def test_settings_errors_name_the_pointer_value_and_fix():
     issue = err.value.issues[0]
     assert issue.pointer == "/deepspeed/zero_optimization/stage" and issue.given == 2
     assert "ZeRO stage 2 cannot run with DeepSpeed's pipeline engine" in issue.message and "ZeRO-1" in issue.hint
+    # The pipeline reads the translator's decisions, so misuse is reported by the translator,
+    # every problem at once and with its pointer.
     with pytest.raises(SMPConfigError) as err:
         PipelineSettings.from_config({"partitions": 2, "microbatches": 2, "sharded_data_parallel_degree": 2,
-                                      "tensor_parallel_degree": 2, "pipeline": "_only_forward",
-                                      "auto_partition": False})
-    pointers = [i.pointer for i in err.value.issues]
-    assert pointers == ["/default_partition", "/pipeline", "/sharded_data_parallel_degree",
-                        "/tensor_parallel_degree"]
+                                      "auto_partition": False}, world_size=4)
+    pointers = sorted(i.pointer for i in err.value.issues)
+    assert pointers == ["/auto_partition", "/ddp", "/sharded_data_parallel_degree"], pointers
+    with pytest.raises(SMPConfigError) as err:
+        PipelineSettings.from_config({"partitions": 2, "microbatches": 2, "pipeline": "_only_forward"})
+    assert [i.pointer for i in err.value.issues] == ["/pipeline"]
+    assert "not supported" in err.value.issues[0].message
+
+
+def test_settings_follow_the_plan_schedule_decision():
+    plan = plan_for({"partitions": 2, "microbatches": 8, "active_microbatches": 1})
+    s = PipelineSettings.from_plan(plan)
+    assert plan.engine["pipeline"]["schedule"] == s.schedule.kind == "gpipe" and s.schedule.group_size == 1
 
 
 def test_settings_resolve_defaults_and_zero1_is_fine():

@@ -197,6 +197,7 @@ DIRECT = {
     "partitions",
     "pipeline_parallel_degree",
     "random_seed",
+    "hybrid_shard_degree",
 }
 
 

@@ -257,13 +257,19 @@ def test_pipeline_and_tensor_parallel_blocks_only_when_used():
         "grad_partitioned",
         "use_reentrant",
     }
-    assert both["tensor_parallel"] == {"autotp_size": 2}
+    # No AutoTP block: the engine does not run tensor parallelism, so the plan claims none.
+    assert "tensor_parallel" not in both
+    tp = notes_by_key(make({"tensor_parallel_degree": 2, "ddp": True}, 2))["tensor_parallel_degree"]
+    assert tp.fate == "unsupported" and "not implemented" in tp.reason
 
 
-def test_offload_activations_maps_to_cpu_checkpointing():
+def test_offload_activations_is_the_engines_with_its_horizon():
     p = make({"offload_activations": True, "activation_loading_horizon": 2}, 1)
     assert p.deepspeed["activation_checkpointing"]["cpu_checkpointing"] is True
-    assert p.engine["activation_checkpointing"]["loading_horizon"] == 2
+    assert p.engine["activation_checkpointing"] == {**p.engine["activation_checkpointing"], "offload": True,
+                                                    "loading_horizon": 2}
+    fates = notes_by_key(p)
+    assert fates["offload_activations"].fate == fates["activation_loading_horizon"].fate == "engine"
 
 
 # --- pipeline engine section ------------------------------------------------------------------------
@@ -328,7 +334,7 @@ def test_smp_v2_hybrid_shard_degree_means_shard_size():
     assert p.deepspeed["zero_optimization"]["stage"] == 3
     full = make({"hybrid_shard_degree": 0, "tensor_parallel_degree": 2}, 8)
     assert full.engine["mics"]["shard_size"] == 4  # 0 = every rank holding the same tensor slice
-    assert full.deepspeed["tensor_parallel"] == {"autotp_size": 2}
+    assert "tensor_parallel" not in full.deepspeed
     none = make({"hybrid_shard_degree": 1}, 8)
     assert none.deepspeed["zero_optimization"]["stage"] == 0
     cp = notes_by_key(make({"hybrid_shard_degree": 2, "context_parallel_degree": 2}, 8))
