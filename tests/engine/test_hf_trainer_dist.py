@@ -157,7 +157,9 @@ def _pt_utils_worker() -> dict:
     with torch.no_grad():
         out = smp_forward_only(model, {"input_ids": x})
     # prediction_step's shape of the call: the outputs except the ignored cache, as a tuple
-    logits_mb = tuple(v for k, v in out.items() if k not in ["past_key_values", "loss"])
+    # (transformers 5.2x names the cache "cache" and ignores it by default; older releases
+    # named it "past_key_values")
+    logits_mb = tuple(v for k, v in out.items() if k not in ["cache", "past_key_values", "loss"])
     gathered = smp_gather((torch.tensor(float(rank)), {"m": torch.full((2, 3), float(rank))}))
     return {"mb_losses": [float(t) for t in loss_mb.outputs], "reduce_mean": float(loss_mb.reduce_mean()),
             "grads": grads, "logits": smp_nested_concat(logits_mb)[0].numpy(),

@@ -132,9 +132,12 @@ def _train_case(case: dict) -> dict:
     model = _seq_under_partition_contexts() if manual == "contexts" else make_model(kind)
     if manual == "set_partition":
         _manual_gpt2(model)
-    cfg = {"pipeline_parallel_degree": 2, "microbatches": MICRO, "pipeline": case["pipeline"],
-           "active_microbatches": case.get("active"), "placement_strategy": topo.placement,
-           "auto_partition": manual is None, "default_partition": 0 if manual else None}
+    cfg = {"pipeline_parallel_degree": 2, "microbatches": MICRO, "pipeline": case["pipeline"], "ddp": True,
+           "placement_strategy": topo.placement, "auto_partition": manual is None}
+    if case.get("active") is not None:
+        cfg["active_microbatches"] = case["active"]
+    if manual:
+        cfg["default_partition"] = 0
     ds_config = {"gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
                  "zero_optimization": {"stage": case.get("zero", 0)}}
     runner = build_pipeline(model, plan_for(cfg, world, ds_config), topo)
