@@ -41,8 +41,9 @@ def _worker(args: argparse.Namespace) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
-    from smp2ds.engine.diagnostics import comm_counter
+
     from smp2ds.engine import mics
+    from smp2ds.engine.diagnostics import comm_counter
     from smp2ds.translator.topology import Topology
 
     dist.init_process_group("gloo")

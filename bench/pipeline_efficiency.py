@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     got = _run(args)
     print(f"{'schedule':<12}{'m':>3}{'T1 1-rank s':>13}{'T2 pp=2 s':>12}{'speed-up':>10}{'ideal':>8}"
           f"{'bubble':>9}{'idle':>8}{'ideal':>8}{'cpu-ovh':>9}")
-    for i, (schedule, m, t1, t2, idle0, ovh0, split) in enumerate(got[0]):
+    for i, (schedule, m, t1, t2, idle0, ovh0, split) in enumerate(got[0]):  # noqa: B007
         idle1, ovh1 = got[1][i][4], got[1][i][5]
         s1, s2 = min(t1), min(t2)
         # Shares per rank at the fastest pipeline step, averaged over the ranks.

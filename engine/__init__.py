@@ -15,22 +15,71 @@ from smp2ds.engine import nn
 from smp2ds.engine.core.activation_checkpointing import checkpoint_sequential, set_activation_checkpointing
 from smp2ds.engine.core.checkpoint import resume_from_checkpoint, save_checkpoint
 from smp2ds.engine.core.save_load import load, save
-from smp2ds.engine.core.object_collectives import (allgather, barrier, broadcast, dp_barrier, gather, mp_barrier, pp_barrier, rdp_barrier,
-                          recv_from, send, tp_barrier)
-from smp2ds.engine.core.creation import (delay_param_initialization, is_tracing, model_creation, partition, set_partition,
-                       set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module)
+from smp2ds.engine.core.object_collectives import (
+    allgather,
+    barrier,
+    broadcast,
+    dp_barrier,
+    gather,
+    mp_barrier,
+    pp_barrier,
+    rdp_barrier,
+    recv_from,
+    send,
+    tp_barrier,
+)
+from smp2ds.engine.core.creation import (
+    delay_param_initialization,
+    is_tracing,
+    model_creation,
+    partition,
+    set_partition,
+    set_tensor_parallelism,
+    tensor_parallelism,
+    tp_register,
+    tp_register_with_module,
+)
 from smp2ds.engine.core.init import init, is_initialized, shutdown
 from smp2ds.engine.core.model import DistributedModel
 from smp2ds.engine.core.optimizer import DistributedOptimizer
-from smp2ds.engine.core.ranks import (CommGroup, RankType, dp_rank, dp_size, get_dp_group, get_dp_process_group, get_mp_group,
-                    get_mp_process_group, get_pp_group, get_pp_process_group, get_rdp_group, get_rdp_process_group,
-                    get_tp_group, get_tp_process_group, get_world_process_group, local_rank, local_size, mp_rank,
-                    mp_size, num_microbatches, param_shard_rank, param_shard_size, pp_rank, pp_size, rank, rdp_rank,
-                    rdp_size, size, tp_rank, tp_size)
+from smp2ds.engine.core.ranks import (
+    CommGroup,
+    RankType,
+    dp_rank,
+    dp_size,
+    get_dp_group,
+    get_dp_process_group,
+    get_mp_group,
+    get_mp_process_group,
+    get_pp_group,
+    get_pp_process_group,
+    get_rdp_group,
+    get_rdp_process_group,
+    get_tp_group,
+    get_tp_process_group,
+    get_world_process_group,
+    local_rank,
+    local_size,
+    mp_rank,
+    mp_size,
+    num_microbatches,
+    param_shard_rank,
+    param_shard_size,
+    pp_rank,
+    pp_size,
+    rank,
+    rdp_rank,
+    rdp_size,
+    size,
+    tp_rank,
+    tp_size,
+)
 from smp2ds.engine.core.state import state
 from smp2ds.engine.core.step_output import StepOutput
 from smp2ds.engine.core.step import step  # rebinds the name `step` from the submodule to the decorator
-from smp2ds.engine.core.activation_checkpointing import checkpoint  # rebinds `checkpoint` to the activation-checkpoint function
+from smp2ds.engine.core.activation_checkpointing import (
+    checkpoint,
+)  # rebinds `checkpoint` to the activation-checkpoint function
 
 WORLD = CommGroup.WORLD
 PP_GROUP = CommGroup.PP_GROUP

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.core.state import state
+from smp2ds.engine.exceptions import SMPUnsupportedError
 
 
 def _require_tp1(name: str) -> None:

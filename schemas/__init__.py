@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -15,7 +15,7 @@ SCHEMA_FILES: dict[str, str] = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_schema(name: str) -> dict[str, Any]:
     """Return the parsed schema ``name`` (a key of SCHEMA_FILES)."""
     if name not in SCHEMA_FILES:

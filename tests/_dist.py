@@ -21,7 +21,8 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("SMP2DS_TEST_TIMEOUT", "240"))
 

@@ -13,6 +13,7 @@ import ast
 from pathlib import Path
 
 import pytest
+
 from smp2ds.translator.keymap import KEYMAP_V1, KEYMAP_V2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,8 +40,6 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "ddp_port": ("tests/engine/test_engine_units.py::test_deepspeed_launcher_and_ddp_port_override",),
     "ddp_dist_backend": ("tests/engine/test_key_effects_dist.py::test_mapped_keys_reach_the_running_deepspeed_engine",),
     "shard_optimizer_state": ("tests/engine/test_key_effects_dist.py::test_mapped_keys_reach_the_running_deepspeed_engine",),
-    "offload_activations": ("tests/engine/test_activation_offload.py",),
-    "activation_loading_horizon": ("tests/engine/test_activation_offload.py",),
     "delayed_parameter_initialization": (
         "tests/engine/test_mics_smp_api.py::test_smp_script_with_delayed_sharded_parameters_matches_single_process",),
     "fp16": ("tests/engine/test_train_dist.py::test_fp16_overflow_skips_the_step_and_lowers_the_scale",),

@@ -93,7 +93,14 @@ def launcher_section(
     if nodes > 1:
         deepspeed += ["--hostfile", "hostfile", "--num_nodes", str(nodes), "--master_addr", master]
     # SMP scripts do not parse --local_rank; they read LOCAL_RANK from the environment.
-    deepspeed += ["--num_gpus", str(ranks_per_node), "--master_port", str(master_port), "--no_local_rank", *script_argv]
+    deepspeed += [
+        "--num_gpus",
+        str(ranks_per_node),
+        "--master_port",
+        str(master_port),
+        "--no_local_rank",
+        *script_argv,
+    ]
     torchrun = [
         "torchrun",
         "--nnodes",

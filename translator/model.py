@@ -5,9 +5,10 @@ These are the contracts between schemas/validation, the planner, the CLI and the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 SourceKind = Literal["parameters", "distribution", "estimator", "smp_v2"]
 Strategy = Literal["modelparallel", "dataparallel"]

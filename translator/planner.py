@@ -21,9 +21,9 @@ from .layout import ResolvedLayout, check_world, params_pointer, resolve_layout
 from .megatron import megatron_section
 from .model import Layout, Plan, SMPConfig
 from .normalize import fixups
+from .pipeline_schedule import choose_schedule
 from .precision import dtype_of, gradient_clipping, precision_blocks
 from .semantics import resolve_v1
-from .pipeline_schedule import choose_schedule
 from .tensor_parallel import engine_tensor_parallel, tensor_parallel_block
 from .topology import Topology
 from .zero import top_level as zero_top_level

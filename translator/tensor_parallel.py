@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-
 TP_UNSUPPORTED = (
     "tensor parallelism is not implemented by smp2ds yet; use tensor_parallel_degree 1 "
     "(data parallelism, sharded_data_parallel_degree or pipeline_parallel_degree)"

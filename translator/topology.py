@@ -59,7 +59,7 @@ class Topology:
         placement_order(self.placement)
 
     @classmethod
-    def for_world(cls, world_size: int, pp: int = 1, tp: int = 1, placement: str = "cluster") -> "Topology":
+    def for_world(cls, world_size: int, pp: int = 1, tp: int = 1, placement: str = "cluster") -> Topology:
         """Layout for ``world_size`` ranks; raises ValueError when pp*tp does not divide it."""
         if world_size < 1 or world_size % (pp * tp):
             raise ValueError(

@@ -18,6 +18,7 @@ from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import ValidationError
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012
+
 from smp2ds.schemas import SCHEMA_FILES, load_schema
 
 from .document import V2_ONLY_KEYS, Document, pointer_of

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from smp2ds.engine.exceptions import DistributedModelNotWrappedError, SMPInvalidArgumentError
 from smp2ds.engine.core.state import state
+from smp2ds.engine.exceptions import DistributedModelNotWrappedError, SMPInvalidArgumentError
 
 
 def checkpoint(module: torch.nn.Module, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from smp2ds.engine.core import object_collectives as collectives
-from smp2ds.engine.core.save_load import atomic_torch_save, atomic_write_text
-from smp2ds.engine.exceptions import IncompatibleCheckpointFoundError, SMPCheckpointError
 from smp2ds.engine.core.ranks import CommGroup
+from smp2ds.engine.core.save_load import atomic_torch_save, atomic_write_text
 from smp2ds.engine.core.state import state
+from smp2ds.engine.exceptions import IncompatibleCheckpointFoundError, SMPCheckpointError
 
 SMP2DS_CHECKPOINT_VERSION = "1.15.0"
 _STRICT_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree", "shard_optimizer_state",

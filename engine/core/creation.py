@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from smp2ds.engine.exceptions import DistributedModelWrappedError, InvalidPartitionIDError, StepFunctionCalledError
 from smp2ds.engine.core.state import state
+from smp2ds.engine.exceptions import DistributedModelWrappedError, InvalidPartitionIDError, StepFunctionCalledError
 
 
 def _manual() -> Any:
@@ -82,7 +82,6 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
     without sharded data parallelism parameters are small enough to create normally."""
     if enabled and state.initialized and state.mics_groups is not None:
         from smp2ds.engine import mics
-
         from smp2ds.engine.core.deepspeed_config import engine_config
 
         ds = engine_config(state.plan.deepspeed, microbatches=int(state.cfg.microbatches))

@@ -21,15 +21,13 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from smp2ds.translator.issues import Issue, SMPConfigError
-from smp2ds.translator.model import Layout
-
-from smp2ds.engine.core import comm
-from smp2ds.engine.diagnostics import failure_report as faults
-from smp2ds.engine.core import launch_env
+from smp2ds.engine.core import comm, launch_env
 from smp2ds.engine.core.process_groups import create_groups
 from smp2ds.engine.core.state import ConfigView, state
+from smp2ds.engine.diagnostics import failure_report as faults
 from smp2ds.engine.diagnostics.watchdog import Watchdog, timeout_from_env
+from smp2ds.translator.issues import Issue, SMPConfigError
+from smp2ds.translator.model import Layout
 
 log = logging.getLogger("smp2ds")
 
@@ -46,11 +44,27 @@ def merged_config(config: Mapping[str, Any] | None, env: Mapping[str, str] | Non
         try:
             from_env = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise SMPConfigError([Issue("", f"environment variable {ENV_KEY} is not valid JSON "
-                                            f"(line {exc.lineno}, column {exc.colno}: {exc.msg})", given=raw)])
+            raise SMPConfigError(  # noqa: B904 - the JSON error is summarised in the issue
+                [
+                    Issue(
+                        "",
+                        f"environment variable {ENV_KEY} is not valid JSON "
+                        f"(line {exc.lineno}, column {exc.colno}: {exc.msg})",
+                        given=raw,
+                    )
+                ]
+            )
         if not isinstance(from_env, dict):
-            raise SMPConfigError([Issue("", f"environment variable {ENV_KEY} must hold a JSON object",
-                                        given=from_env, allowed="a JSON object of SMP parameters")])
+            raise SMPConfigError(
+                [
+                    Issue(
+                        "",
+                        f"environment variable {ENV_KEY} must hold a JSON object",
+                        given=from_env,
+                        allowed="a JSON object of SMP parameters",
+                    )
+                ]
+            )
         merged.update(from_env)
     return merged
 
@@ -75,8 +89,11 @@ def _translate(merged: dict[str, Any], launch: launch_env.LaunchEnv) -> tuple[An
     layout = Layout(world_size=launch.world_size, gpus_per_node=launch.local_size)
     cfg = normalize(merged, layout)
     result = plan(cfg, layout)
-    refused = [Issue(n.pointer, f"{n.key} is not supported: {n.reason}", given=n.value)
-               for n in result.notes if n.fate == "unsupported"]
+    refused = [
+        Issue(n.pointer, f"{n.key} is not supported: {n.reason}", given=n.value)
+        for n in result.notes
+        if n.fate == "unsupported"
+    ]
     if refused:
         # What the plan reports as unsupported is refused here, with the same reason, never
         # accepted silently and never left to fail later inside DeepSpeed.
@@ -110,9 +127,11 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     if comm.is_initialized():
         # The script (or a framework) created the world group already: adopt it.
         if comm.get_world_size() != launch.world_size or comm.get_rank() != launch.rank:
-            raise RuntimeError(f"torch.distributed is initialised as rank {comm.get_rank()} of "
-                               f"{comm.get_world_size()}, but the launcher says rank {launch.rank} of "
-                               f"{launch.world_size}")
+            raise RuntimeError(
+                f"torch.distributed is initialised as rank {comm.get_rank()} of "
+                f"{comm.get_world_size()}, but the launcher says rank {launch.rank} of "
+                f"{launch.world_size}"
+            )
     else:
         store = comm.create_store(launch.rendezvous, launch.rank, launch.world_size, PG_TIMEOUT_S)
         comm.init(backend, store, launch.rank, launch.world_size, PG_TIMEOUT_S)
@@ -148,16 +167,26 @@ def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> 
     state.mics_groups = _mics_groups(plan, topology, launch)
     state.config, state.plan, state.launch, state.backend_name = cfg, plan, launch, backend
     state.cfg = ConfigView(cfg, plan)
-    os.environ.update({"RANK": str(launch.rank), "WORLD_SIZE": str(launch.world_size),
-                       "LOCAL_RANK": str(launch.local_rank)})
+    os.environ.update(
+        {"RANK": str(launch.rank), "WORLD_SIZE": str(launch.world_size), "LOCAL_RANK": str(launch.local_rank)}
+    )
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank)
     timeout = timeout_from_env()
     if timeout > 0 and launch.world_size > 1:
         rdv = launch.rendezvous
-        host = None if rdv.kind == "file" else ("torchrun agent" if rdv.agent_store else f"rank 0 at {rdv.host}:{rdv.port}")
-        state.watchdog = Watchdog(lambda: comm.create_store(rdv, launch.rank, launch.world_size, PG_TIMEOUT_S, side=True),
-                                  launch.rank, launch.world_size, timeout, store_host=host).start()
+        host = (
+            None
+            if rdv.kind == "file"
+            else ("torchrun agent" if rdv.agent_store else f"rank 0 at {rdv.host}:{rdv.port}")
+        )
+        state.watchdog = Watchdog(
+            lambda: comm.create_store(rdv, launch.rank, launch.world_size, PG_TIMEOUT_S, side=True),
+            launch.rank,
+            launch.world_size,
+            timeout,
+            store_host=host,
+        ).start()
     faults.install(launch.rank)
     atexit.register(shutdown)
     state.initialized = True
@@ -174,9 +203,13 @@ def _mics_groups(plan: Any, topology: Any, launch: launch_env.LaunchEnv) -> Any:
         return None
     from smp2ds.engine.mics.shard_groups import MicsGroups
 
-    return MicsGroups.create(topology, int(mics["shard_size"]), rank=launch.rank,
-                             ranks_per_node=int(plan.topology["ranks_per_node"]),
-                             hierarchical=bool(mics["hierarchical_allgather"]))
+    return MicsGroups.create(
+        topology,
+        int(mics["shard_size"]),
+        rank=launch.rank,
+        ranks_per_node=int(plan.topology["ranks_per_node"]),
+        hierarchical=bool(mics["hierarchical_allgather"]),
+    )
 
 
 def _topology(plan: Any, launch: launch_env.LaunchEnv) -> Any:
@@ -184,8 +217,12 @@ def _topology(plan: Any, launch: launch_env.LaunchEnv) -> Any:
     from smp2ds.translator.topology import Topology
 
     topo = plan.topology
-    return Topology.for_world(launch.world_size, pp=int(topo["pipeline_parallel_degree"]),
-                              tp=int(topo["tensor_parallel_degree"]), placement=str(topo["placement"]))
+    return Topology.for_world(
+        launch.world_size,
+        pp=int(topo["pipeline_parallel_degree"]),
+        tp=int(topo["tensor_parallel_degree"]),
+        placement=str(topo["placement"]),
+    )
 
 
 def shutdown() -> None:
@@ -212,4 +249,3 @@ def shutdown() -> None:
 def is_initialized() -> bool:
     """True after ``smp.init()`` (SMP API)."""
     return state.initialized
-

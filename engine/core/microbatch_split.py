@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from smp2ds.engine.exceptions import TensorSplitError
 from smp2ds.engine.core.step_output import StepOutput
+from smp2ds.engine.exceptions import TensorSplitError
 
 Piece = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -32,10 +32,13 @@ def check_spec(non_split_inputs: Any, input_split_axes: Any) -> tuple[frozenset[
     if input_split_axes is None:
         axes: dict[str, int] = {}
     elif isinstance(input_split_axes, dict) and all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in input_split_axes.items()):
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in input_split_axes.items()
+    ):
         axes = dict(input_split_axes)
     else:
-        raise TensorSplitError(f"input_split_axes must be a dict of argument name -> axis (int), got {input_split_axes!r}")
+        raise TensorSplitError(
+            f"input_split_axes must be a dict of argument name -> axis (int), got {input_split_axes!r}"
+        )
     return names, axes
 
 
@@ -43,8 +46,10 @@ def _split_tensor(t: torch.Tensor, n: int, axis: int, where: str) -> list[torch.
     if t.dim() == 0:
         raise TensorSplitError(f"cannot split {where}: it is a 0-dimensional tensor; list it in non_split_inputs")
     if not -t.dim() <= axis < t.dim():
-        raise TensorSplitError(f"cannot split {where} along axis {axis}: it has only {t.dim()} dimension(s) "
-                               f"(shape {tuple(t.shape)}); fix input_split_axes")
+        raise TensorSplitError(
+            f"cannot split {where} along axis {axis}: it has only {t.dim()} dimension(s) "
+            f"(shape {tuple(t.shape)}); fix input_split_axes"
+        )
     length = t.shape[axis]
     if length % n:
         raise TensorSplitError(
@@ -63,11 +68,15 @@ def _warn_shared(value: Any, where: str) -> None:
     kind = type(value)
     if kind in _SHARED_WARNED:
         return
-    if isinstance(value, (torch.optim.Optimizer, torch.utils.data.DataLoader, torch.utils.data.Dataset)) or \
-            type(value).__name__.endswith(("LRScheduler", "LR")):
+    if isinstance(value, (torch.optim.Optimizer, torch.utils.data.DataLoader, torch.utils.data.Dataset)) or type(
+        value
+    ).__name__.endswith(("LRScheduler", "LR")):
         _SHARED_WARNED.add(kind)
-        warnings.warn(f"{where} ({kind.__name__}) is passed whole to every micro-batch of the smp.step function; "
-                      "optimizers, schedulers and data loaders belong outside it", stacklevel=5)
+        warnings.warn(
+            f"{where} ({kind.__name__}) is passed whole to every micro-batch of the smp.step function; "
+            "optimizers, schedulers and data loaders belong outside it",
+            stacklevel=5,
+        )
 
 
 def split_value(value: Any, n: int, axis: int, where: str) -> list[Any]:
@@ -125,14 +134,26 @@ def positional_names(func: Callable[..., Any], count: int) -> list[str]:
     return names
 
 
-def split_call(func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], n: int,
-               non_split: frozenset[str], axes: Mapping[str, int]) -> list[Piece]:
+def split_call(
+    func: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    n: int,
+    non_split: frozenset[str],
+    axes: Mapping[str, int],
+) -> list[Piece]:
     """Per-micro-batch ``(args, kwargs)`` for calling ``func``, keeping the call's shape."""
     return split_named(positional_names(func, len(args)), args, kwargs, n, non_split, axes)
 
 
-def split_named(names: Sequence[str], args: Sequence[Any], kwargs: Mapping[str, Any], n: int,
-                non_split: frozenset[str], axes: Mapping[str, int]) -> list[Piece]:
+def split_named(
+    names: Sequence[str],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    n: int,
+    non_split: frozenset[str],
+    axes: Mapping[str, int],
+) -> list[Piece]:
     """``split_call`` with the positional parameter names already known."""
     arg_parts = [_split_named(v, name, n, non_split, axes) for v, name in zip(args, names)]
     kw_parts = {k: _split_named(v, k, n, non_split, axes) for k, v in kwargs.items()}

@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from smp2ds.engine.core import model_io
 from smp2ds.engine.core.backend_registry import make_backend
+from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import (
     BwdExecutionNotInStepFnError,
     FwdExecutionNotInStepFnError,
@@ -26,18 +27,29 @@ from smp2ds.engine.exceptions import (
     SMPInvalidArgumentError,
     SMPUnsupportedError,
 )
-from smp2ds.engine.core.state import state
 
 _NO_EFFECT = {
     "trace_execution_times": (False, "tracing only serves automatic pipeline partitioning"),
     "trace_memory_usage": (False, "tracing only serves automatic pipeline partitioning"),
-    "overlapping_allreduce": (True, ("gradients are reduced once per optimizer step by DeepSpeed after the "
-                                     "micro-batch loop; results are identical either way")),
-    "bucket_cap_mb": (25, ("DeepSpeed sizes its own reduction buckets (allreduce_bucket_size / "
-                           "zero_optimization.reduce_bucket_size)")),
+    "overlapping_allreduce": (
+        True,
+        (
+            "gradients are reduced once per optimizer step by DeepSpeed after the "
+            "micro-batch loop; results are identical either way"
+        ),
+    ),
+    "bucket_cap_mb": (
+        25,
+        ("DeepSpeed sizes its own reduction buckets (allreduce_bucket_size / zero_optimization.reduce_bucket_size)"),
+    ),
     "find_unused_parameters": (False, "DeepSpeed skips parameters without gradients by itself"),
-    "broadcast_buffers": (True, ("buffers are broadcast from rank 0 once when the DeepSpeed engine is built, "
-                                 "not before every forward as torch DDP does")),
+    "broadcast_buffers": (
+        True,
+        (
+            "buffers are broadcast from rank 0 once when the DeepSpeed engine is built, "
+            "not before every forward as torch DDP does"
+        ),
+    ),
     "gradient_as_bucket_view": (False, "DeepSpeed manages gradient buffers itself"),
 }
 
@@ -45,24 +57,38 @@ _NO_EFFECT = {
 class DistributedModel(torch.nn.Module):
     """Wrap ``module`` for SMP training; one per process (``smp.reset()`` allows another)."""
 
-    def __init__(self, module: torch.nn.Module, trace_device: str = "gpu", backward_passes_per_step: int = 1,
-                 average_grads_across_microbatches: bool = True, **kwargs: Any):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        trace_device: str = "gpu",
+        backward_passes_per_step: int = 1,
+        average_grads_across_microbatches: bool = True,
+        **kwargs: Any,
+    ):
         state.require()
         if state.model is not None:
-            raise MultipleDistributedModelError("only one smp.DistributedModel may exist per process; "
-                                                "call smp.reset() before creating another")
+            raise MultipleDistributedModelError(
+                "only one smp.DistributedModel may exist per process; call smp.reset() before creating another"
+            )
         if trace_device not in ("gpu", "cpu"):
             raise SMPInvalidArgumentError(f"trace_device must be 'gpu' or 'cpu', got {trace_device!r}")
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-                or backward_passes_per_step < 1:
-            raise SMPInvalidArgumentError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+        if (
+            isinstance(backward_passes_per_step, bool)
+            or not isinstance(backward_passes_per_step, int)
+            or backward_passes_per_step < 1
+        ):
+            raise SMPInvalidArgumentError(
+                f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
+            )
         if isinstance(module, DistributedModel):
             raise SMPInvalidArgumentError("the module is already a smp.DistributedModel")
         unknown = sorted(set(kwargs) - set(_NO_EFFECT))
         if unknown:
-            raise SMPInvalidArgumentError(f"DistributedModel got unknown argument(s) {unknown}; accepted: "
-                                          f"trace_device, backward_passes_per_step, average_grads_across_microbatches, "
-                                          f"{', '.join(sorted(_NO_EFFECT))}")
+            raise SMPInvalidArgumentError(
+                f"DistributedModel got unknown argument(s) {unknown}; accepted: "
+                f"trace_device, backward_passes_per_step, average_grads_across_microbatches, "
+                f"{', '.join(sorted(_NO_EFFECT))}"
+            )
         if "overlapping_allreduce" in kwargs and not isinstance(kwargs["overlapping_allreduce"], bool):
             raise SMPInvalidArgumentError("overlapping_allreduce must be a bool")
         super().__init__()
@@ -95,8 +121,9 @@ class DistributedModel(torch.nn.Module):
     # ---- forward / backward ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if int(state.cfg.pipeline_parallel_degree) > 1 and not state.in_step:
-            raise FwdExecutionNotInStepFnError("with pipeline parallelism the model may only run inside an "
-                                               "@smp.step function")
+            raise FwdExecutionNotInStepFnError(
+                "with pipeline parallelism the model may only run inside an @smp.step function"
+            )
         precision = self.backend.precision
         if precision != "fp32" and self.backend.cast_io:
             dtype = torch.float16 if precision == "fp16" else torch.bfloat16
@@ -175,8 +202,14 @@ class DistributedModel(torch.nn.Module):
         return self._register(self._post_step_hooks, hook, run_now=self._count.steps_done > 0)
 
     # ---- state dicts ---------------------------------------------------------------------------
-    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
-                   cast_to_cpu: bool = True, gather_to_rank0: bool = False) -> dict[str, Any]:
+    def state_dict(
+        self,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        cast_to_cpu: bool = True,
+        gather_to_rank0: bool = False,
+    ) -> dict[str, Any]:
         """The full model state dict with the wrapped module's key names (all ranks, or rank 0 only)."""
         sd = self.backend.full_state_dict(prefix=prefix, keep_vars=keep_vars)
         if gather_to_rank0 and state.groups.rank != 0:
@@ -187,22 +220,36 @@ class DistributedModel(torch.nn.Module):
             return destination
         return sd
 
-    def local_state_dict(self, cast_to_cpu: bool = True, destination: Any = None, prefix: str = "",
-                         keep_vars: bool = False, scaled_batch_only: bool = False) -> dict[str, Any]:
+    def local_state_dict(
+        self,
+        cast_to_cpu: bool = True,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        scaled_batch_only: bool = False,
+    ) -> dict[str, Any]:
         """What this rank holds, marked ``_smp_is_partial`` (SMP's per-rank checkpoint format)."""
         sd = self.backend.local_state_dict(prefix=prefix, keep_vars=keep_vars)
         sd = model_io.to_cpu(sd) if cast_to_cpu else dict(sd)
         sd["_smp_is_partial"] = True
-        sd["_smp_load_info"] = {"tensor_parallel_degree": int(state.cfg.tensor_parallel_degree),
-                                "pipeline_parallel_degree": int(state.cfg.pipeline_parallel_degree),
-                                "partition_info": None}
+        sd["_smp_load_info"] = {
+            "tensor_parallel_degree": int(state.cfg.tensor_parallel_degree),
+            "pipeline_parallel_degree": int(state.cfg.pipeline_parallel_degree),
+            "partition_info": None,
+        }
         if destination is not None:
             destination.update(sd)
             return destination
         return sd
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, translate_function: Callable | None = None,
-                        same_partition_load: bool = True, assign: bool = False) -> Any:
+    def load_state_dict(
+        self,
+        state_dict: Any,
+        strict: bool = True,
+        translate_function: Callable | None = None,
+        same_partition_load: bool = True,
+        assign: bool = False,
+    ) -> Any:
         """Load a full, partial or plain PyTorch state dict (markers are stripped)."""
         sd = model_io.strip_markers(state_dict)
         if translate_function is not None:
@@ -270,12 +317,16 @@ class DistributedModel(torch.nn.Module):
         return self
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True) -> Any:
-        raise SMPUnsupportedError("DistributedModel.join (uneven inputs) is not supported on DeepSpeed; give every "
-                                  "rank the same number of batches (DistributedSampler, drop_last=True)")
+        raise SMPUnsupportedError(
+            "DistributedModel.join (uneven inputs) is not supported on DeepSpeed; give every "
+            "rank the same number of batches (DistributedSampler, drop_last=True)"
+        )
 
     def register_comm_hook(self, state_: Any, hook: Callable) -> None:
-        raise SMPUnsupportedError("register_comm_hook needs torch DDP's reducer; DeepSpeed performs the gradient "
-                                  "reduction, so communication hooks cannot be attached")
+        raise SMPUnsupportedError(
+            "register_comm_hook needs torch DDP's reducer; DeepSpeed performs the gradient "
+            "reduction, so communication hooks cannot be attached"
+        )
 
 
 class _StepCounters:

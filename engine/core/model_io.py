@@ -55,7 +55,9 @@ def scalar_for_backward(tensors: Any, grad_tensors: Any = None) -> torch.Tensor:
     for t, g in zip(ts, gs):
         if g is None:
             if t.numel() != 1:
-                raise ValueError(f"model.backward needs grad_tensors for a non-scalar tensor of shape {tuple(t.shape)}")
+                raise ValueError(
+                    f"model.backward needs grad_tensors for a non-scalar tensor of shape {tuple(t.shape)}"
+                )
             term = t.reshape(())
         else:
             term = (t * g.to(t.dtype)).sum()

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from smp2ds.engine.core import comm
-from smp2ds.engine.exceptions import InvalidCommGroupError
 from smp2ds.engine.core.ranks import KIND_OF, CommGroup, RankType
 from smp2ds.engine.core.state import state
+from smp2ds.engine.exceptions import InvalidCommGroupError
 
 
 def _kind(group: Any) -> str:

@@ -16,13 +16,18 @@ import torch
 
 from smp2ds.engine.core import object_collectives as collectives
 from smp2ds.engine.core.deepspeed_config import LossScaleArgs
-from smp2ds.engine.exceptions import MissingDistributedModelError, SMPInvalidArgumentError, SMPUnsupportedError
 from smp2ds.engine.core.ranks import CommGroup
 from smp2ds.engine.core.state import state
+from smp2ds.engine.exceptions import MissingDistributedModelError, SMPInvalidArgumentError, SMPUnsupportedError
 
-_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-               "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-               "_optimizer_load_state_dict_post_hooks")
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
 
 
 def _cpu_tree(obj: Any) -> Any:
@@ -42,23 +47,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
     scaling skips the step on overflow and lowers the scale).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float | None = 1.0,
-                 dynamic_loss_scale: bool = False, dynamic_loss_args: dict | None = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        static_loss_scale: float | None = 1.0,
+        dynamic_loss_scale: bool = False,
+        dynamic_loss_args: dict | None = None,
+    ):
         # torch.optim.Optimizer.__init__ is not called: groups and state belong to `optimizer`.
         state.require()
         model = state.model
         if model is None:
-            raise MissingDistributedModelError("create smp.DistributedModel(...) before smp.DistributedOptimizer(...), "
-                                               "and build the optimizer from the wrapped model's parameters")
+            raise MissingDistributedModelError(
+                "create smp.DistributedModel(...) before smp.DistributedOptimizer(...), "
+                "and build the optimizer from the wrapped model's parameters"
+            )
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise SMPInvalidArgumentError(f"DistributedOptimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise SMPInvalidArgumentError(
+                f"DistributedOptimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         if isinstance(optimizer, DistributedOptimizer):
             raise SMPInvalidArgumentError("the optimizer is already a smp.DistributedOptimizer")
         own = {id(p) for p in model.parameters()}
         foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
         if foreign:
-            raise SMPInvalidArgumentError(f"{foreign} optimizer parameter(s) do not belong to the DistributedModel; "
-                                          "create the optimizer from model.parameters() after wrapping")
+            raise SMPInvalidArgumentError(
+                f"{foreign} optimizer parameter(s) do not belong to the DistributedModel; "
+                "create the optimizer from model.parameters() after wrapping"
+            )
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         for name in _HOOK_DICTS:
@@ -110,8 +126,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backend.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise SMPUnsupportedError("parameter groups cannot be added after DistributedOptimizer is created: "
-                                  "DeepSpeed has already partitioned/flattened them")
+        raise SMPUnsupportedError(
+            "parameter groups cannot be added after DistributedOptimizer is created: "
+            "DeepSpeed has already partitioned/flattened them"
+        )
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """Clip the synchronised gradients at ``max_norm`` in the coming step; returns the total norm
@@ -135,11 +153,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- state dicts --------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
-        return {"zero_stage": self.backend.zero_stage, "precision": self.backend.precision,
-                "rdp_rank": state.groups.coords.rdp_rank, "rdp_size": state.groups.topology.rdp}
+        return {
+            "zero_stage": self.backend.zero_stage,
+            "precision": self.backend.precision,
+            "rdp_rank": state.groups.coords.rdp_rank,
+            "rdp_size": state.groups.topology.rdp,
+        }
 
-    def local_state_dict(self, cast_to_cpu: bool = True, gather_if_shard: bool = True,
-                         fp32_states_only: bool = False) -> dict[str, Any]:
+    def local_state_dict(
+        self, cast_to_cpu: bool = True, gather_if_shard: bool = True, fp32_states_only: bool = False
+    ) -> dict[str, Any]:
         """This rank's optimizer state (its ZeRO partition with ``shard_optimizer_state``)."""
         sd = self.backend.optimizer_state_dict()
         return {"ds_optimizer": _cpu_tree(sd) if cast_to_cpu else sd, "smp2ds": self._meta(), "_smp_is_partial": True}
@@ -163,12 +186,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self.backend.zero_stage == 0 and self.backend.precision == "fp32" and "param_groups" in sd:
                 self.optimizer.load_state_dict(sd)
                 return
-            raise SMPInvalidArgumentError("not an smp2ds optimizer state dict (expected the output of "
-                                          "DistributedOptimizer.state_dict() or local_state_dict())")
+            raise SMPInvalidArgumentError(
+                "not an smp2ds optimizer state dict (expected the output of "
+                "DistributedOptimizer.state_dict() or local_state_dict())"
+            )
         meta = sd.get("smp2ds", {})
         if meta.get("zero_stage", self.backend.zero_stage) != self.backend.zero_stage:
-            raise SMPInvalidArgumentError(f"optimizer state was saved with ZeRO stage {meta.get('zero_stage')} but this "
-                                          f"run uses stage {self.backend.zero_stage} (shard_optimizer_state changed)")
+            raise SMPInvalidArgumentError(
+                f"optimizer state was saved with ZeRO stage {meta.get('zero_stage')} but this "
+                f"run uses stage {self.backend.zero_stage} (shard_optimizer_state changed)"
+            )
         self.backend.load_optimizer_state_dict(sd["ds_optimizer"])
 
     load_local_optimizer_state_dict = load_state_dict
@@ -178,5 +205,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("DistributedOptimizer cannot be pickled; save state_dict()/local_state_dict() instead")
-
-

@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from smp2ds.translator.topology import GROUP_KINDS, Coords, Topology
-
 from smp2ds.engine.core import comm
+from smp2ds.translator.topology import GROUP_KINDS, Coords, Topology
 
 
 @dataclass

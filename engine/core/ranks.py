@@ -9,8 +9,8 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Any
 
-from smp2ds.engine.exceptions import NotInitializedError
 from smp2ds.engine.core.state import state
+from smp2ds.engine.exceptions import NotInitializedError
 
 
 class CommGroup(IntEnum):

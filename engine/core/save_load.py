@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import (
     IncompatibleCheckpointFoundError,
     IncompatibleCheckpointRankFoundError,
     MissingCheckpointFilesError,
 )
-from smp2ds.engine.core.state import state
 
 _TMP_PREFIX = ".smp2ds-tmp-"
 
@@ -72,7 +72,9 @@ def save(obj: Any, f: str, partial: bool = True, v3: bool = False, **kwargs: Any
 
 
 def _parts(f: str, back_compat: bool) -> dict[tuple[int, ...], str]:
-    pattern = re.compile(re.escape(os.path.basename(f)) + r"_(\d+(?:_\d+){0,2})" + ("" if back_compat else r"\.pt") + "$")
+    pattern = re.compile(
+        re.escape(os.path.basename(f)) + r"_(\d+(?:_\d+){0,2})" + ("" if back_compat else r"\.pt") + "$"
+    )
     found: dict[tuple[int, ...], str] = {}
     for path in glob.glob(glob.escape(f) + "_*"):
         name = os.path.basename(path)
@@ -105,10 +107,12 @@ def partial_path(f: str, back_compat: bool = False) -> str:
     if bad:
         raise IncompatibleCheckpointRankFoundError(
             f"checkpoint {f} has part(s) {bad} that do not exist with pipeline_parallel_degree={topo.pp}, "
-            f"tensor_parallel_degree={topo.tp}, rdp={topo.rdp}")
+            f"tensor_parallel_degree={topo.tp}, rdp={topo.rdp}"
+        )
     if len(found) != expected:
-        raise MissingCheckpointFilesError(f"checkpoint {f} has {len(found)} part(s) but this run needs {expected}; "
-                                          f"found {sorted(found)}")
+        raise MissingCheckpointFilesError(
+            f"checkpoint {f} has {len(found)} part(s) but this run needs {expected}; found {sorted(found)}"
+        )
     return found[mine]
 
 

@@ -12,10 +12,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from smp2ds.engine.exceptions import MissingDistributedModelError
 from smp2ds.engine.core.microbatch_split import Piece, check_spec, positional_names, split_named
 from smp2ds.engine.core.state import state
 from smp2ds.engine.core.step_output import collect
+from smp2ds.engine.exceptions import MissingDistributedModelError
 
 
 class StepFunction:

@@ -57,6 +57,10 @@ from smp2ds.engine.mics.allgather import (
     install_hierarchical_allgather,
     uninstall_hierarchical_allgather,
 )
+from smp2ds.engine.mics.gradsync import DeepSpeedInternalsChanged, check_stage3_internals, replica_allreduce
+from smp2ds.engine.mics.layout import HierarchicalPlan, MicsLayout, plan_hierarchical, ranks_per_node_from_env
+from smp2ds.engine.mics.mpu import ShardGroupMPU
+from smp2ds.engine.mics.shard_groups import MicsGroups
 from smp2ds.engine.mics.zero3 import (
     full_state_dict,
     initialize,
@@ -66,10 +70,6 @@ from smp2ds.engine.mics.zero3 import (
     shard_ds_config,
     sync_replicas,
 )
-from smp2ds.engine.mics.gradsync import DeepSpeedInternalsChanged, check_stage3_internals, replica_allreduce
-from smp2ds.engine.mics.shard_groups import MicsGroups
-from smp2ds.engine.mics.layout import HierarchicalPlan, MicsLayout, plan_hierarchical, ranks_per_node_from_env
-from smp2ds.engine.mics.mpu import ShardGroupMPU
 
 __all__ = [
     "DeepSpeedInternalsChanged",

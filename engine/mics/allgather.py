@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from smp2ds.engine.core import comm
 
 # id(shard group) -> (shard group, inter group, intra group, nodes, per node). The group object is

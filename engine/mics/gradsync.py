@@ -23,8 +23,9 @@ import functools
 from typing import Any
 
 import torch
-from smp2ds.engine.core import comm
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from smp2ds.engine.core import comm
 
 _REQUIRED = ("averaged_gradients", "fp16_groups", "step", "fp32_partitioned_groups_flat", "dp_process_group")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from smp2ds.engine.core import comm
-
 from smp2ds.engine.mics.shard_groups import MicsGroups
 
 

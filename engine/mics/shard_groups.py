@@ -12,9 +12,8 @@ from typing import Any
 
 from smp2ds.engine.core import comm
 from smp2ds.engine.core.process_groups import own_group
-from smp2ds.translator.topology import Topology
-
 from smp2ds.engine.mics.layout import MicsLayout, ranks_per_node_from_env
+from smp2ds.translator.topology import Topology
 
 
 @dataclass(frozen=True)

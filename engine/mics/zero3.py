@@ -8,12 +8,12 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from smp2ds.engine.core import comm
 
+from smp2ds.engine.core import comm
 from smp2ds.engine.mics.allgather import install_hierarchical_allgather
 from smp2ds.engine.mics.gradsync import install_replica_allreduce
-from smp2ds.engine.mics.shard_groups import MicsGroups
 from smp2ds.engine.mics.mpu import ShardGroupMPU
+from smp2ds.engine.mics.shard_groups import MicsGroups
 
 
 def shard_ds_config(ds_config: Mapping[str, Any], groups: MicsGroups) -> dict:

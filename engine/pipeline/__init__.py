@@ -10,7 +10,8 @@ Integration surface for the engine core (``smp.init`` / ``DistributedModel`` / `
 
     # DistributedModel(module) when pp > 1 (collective over the world: creates groups)
     runner = pipeline.build_pipeline(module, plan, topology)
-    #   plan: the translator's Plan (pipeline.plan_for(cfg_dict) for tests); topology: smp2ds.translator.topology.Topology
+    #   plan: the translator's Plan (pipeline.plan_for(cfg_dict) for tests)
+    #   topology: smp2ds.translator.topology.Topology
     #   -> raises SMPConfigError (ZeRO-2/3 override), UnsupportedModelError (no layer list)
 
     # DistributedOptimizer(opt): keep this stage's parameters; before the first step
@@ -40,14 +41,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from smp2ds.engine.pipeline import families  # noqa: F401  (registers the built-in layer lists)
 from smp2ds.engine.pipeline.layers import SUPPORTED, LayerList, PipeLayer, UnsupportedModelError, build_layer_list
 from smp2ds.engine.pipeline.manual import clear as clear_partitions
 from smp2ds.engine.pipeline.manual import configure as configure_partitions
 from smp2ds.engine.pipeline.manual import partition, set_partition
+from smp2ds.engine.pipeline.partition_plan import PartitionPlan, StageInfo, plan_partition
 from smp2ds.engine.pipeline.runner import PipelineRunner
 from smp2ds.engine.pipeline.settings import PipelineSettings, ScheduleChoice, choose_schedule, plan_for
-from smp2ds.engine.pipeline.partition_plan import PartitionPlan, StageInfo, plan_partition
-from smp2ds.engine.pipeline import families  # noqa: F401  (registers the built-in layer lists)
 
 __all__ = [
     "SUPPORTED",

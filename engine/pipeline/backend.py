@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from smp2ds.engine.core import comm
-from smp2ds.engine.data_parallel.backend import DataParallelBackend
 from smp2ds.engine.core.deepspeed_config import LossScaleArgs, fp16_block, precision
+from smp2ds.engine.data_parallel.backend import DataParallelBackend
 
 
 class PipelineBackend(DataParallelBackend):

@@ -12,6 +12,7 @@ explicit.
 from __future__ import annotations
 
 from deepspeed.runtime.pipe.topology import ProcessTopology
+
 from smp2ds.translator.topology import Topology
 
 AXIS_OF_LETTER = {"P": "pipe", "D": "data", "T": "model"}

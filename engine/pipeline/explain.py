@@ -9,8 +9,9 @@ give the split ``DistributedModel`` would choose at run time. Manual placement
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from smp2ds.engine.pipeline.layers import SUPPORTED, build_layer_list
 from smp2ds.engine.pipeline.partition_plan import PartitionPlan, plan_partition

@@ -16,7 +16,7 @@ Supported families (`build_layer_list`): ``nn.Sequential``; Hugging Face ``GPT2L
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 

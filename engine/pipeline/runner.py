@@ -35,12 +35,18 @@ from torch import nn
 from smp2ds.engine.exceptions import BwdExecutionNotInStepFnError, FwdExecutionNotInStepFnError, SMPRuntimeError
 from smp2ds.engine.pipeline import stage_collectives as collectives
 from smp2ds.engine.pipeline import stage_state_dict as state
+from smp2ds.engine.pipeline.ds_topology import to_ds_topology
 from smp2ds.engine.pipeline.layers import LayerList, build_layer_list
 from smp2ds.engine.pipeline.module import PlannedPipelineModule
-from smp2ds.engine.pipeline.schedules import REDUCE_ALL, REDUCE_NONE, REDUCE_TIED, make_eval_schedule, make_train_schedule
-from smp2ds.engine.pipeline.settings import PipelineSettings
 from smp2ds.engine.pipeline.partition_plan import PartitionPlan, plan_partition
-from smp2ds.engine.pipeline.ds_topology import to_ds_topology
+from smp2ds.engine.pipeline.schedules import (
+    REDUCE_ALL,
+    REDUCE_NONE,
+    REDUCE_TIED,
+    make_eval_schedule,
+    make_train_schedule,
+)
+from smp2ds.engine.pipeline.settings import PipelineSettings
 
 log = logging.getLogger("smp2ds.pipeline")
 

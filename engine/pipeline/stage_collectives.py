@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from smp2ds.engine.core import comm
 
 

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from smp2ds.translator.cli import main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from smp2ds.engine.core import deepspeed_config as dsc
 from smp2ds.engine.core import model_io
 from smp2ds.engine.core.init import merged_config

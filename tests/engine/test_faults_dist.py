@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from smp2ds.engine.diagnostics.watchdog import RANK_LOST_EXIT_CODE
 
+from smp2ds.engine.diagnostics.watchdog import RANK_LOST_EXIT_CODE
 from tests.engine.proc_launch import run_script
 
 HERE = os.path.dirname(__file__)

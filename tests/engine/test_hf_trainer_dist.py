@@ -96,10 +96,10 @@ def _numpy(sd: dict) -> dict[str, np.ndarray]:
 # ---- workers (run in the spawned ranks) -------------------------------------------------------
 def _train_worker(opts: dict) -> dict:
     import torch
-    from smp2ds.engine.integrations.hf import SMPCPUTrainingArguments, SMPTrainer
     from transformers.training_args import ParallelMode
 
     import smdistributed.modelparallel.torch as smp
+    from smp2ds.engine.integrations.hf import SMPCPUTrainingArguments, SMPTrainer
 
     args = SMPCPUTrainingArguments(
         output_dir=opts["out"], per_device_train_batch_size=PER_DEVICE, per_device_eval_batch_size=PER_DEVICE,

@@ -167,8 +167,8 @@ def _counter_summary(counter, groups) -> dict:
 
 
 def _spawn1_worker() -> dict:
-    from smp2ds.engine.diagnostics import comm_counter
     from smp2ds.engine import mics
+    from smp2ds.engine.diagnostics import comm_counter
 
     _init_dist()
     out: dict = {}
@@ -310,8 +310,9 @@ def test_bf16_trains_close_to_fp32_reference_and_replicas_agree(spawn1):
 def _spawn2_worker() -> dict:
     import torch
     import torch.distributed as dist
-    from smp2ds.engine.diagnostics import comm_counter
+
     from smp2ds.engine import mics
+    from smp2ds.engine.diagnostics import comm_counter
     from smp2ds.translator.topology import Topology
 
     _init_dist()
@@ -347,9 +348,10 @@ def _spawn2_worker() -> dict:
 def _hf_under_init() -> dict:
     """A tiny GPT-2 built under mics_init_context: shard group 1 (ranks 2, 3) lacks global rank 0."""
     import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     from smp2ds.engine import mics
     from smp2ds.translator.topology import Topology
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     groups = mics.MicsGroups.create(Topology(rdp=WORLD), 2)
     cfg = _ds_config(1, 1.0)

@@ -97,6 +97,7 @@ def test_groups_take_data_parallel_group_from_mpu():
 
 def test_check_stage3_internals_rejects_other_optimizers_with_a_clear_message():
     import torch
+
     from smp2ds.engine.mics import DeepSpeedInternalsChanged, check_stage3_internals
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)

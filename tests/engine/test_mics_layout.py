@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from smp2ds.engine.mics.layout import MicsLayout, plan_hierarchical
 from smp2ds.translator.topology import Topology
 
@@ -60,6 +61,7 @@ def test_hierarchical_is_off_with_a_reason_when_it_cannot_or_need_not_apply():
 @pytest.mark.parametrize("nodes, per_node, part", [(2, 2, 5), (2, 4, 3), (4, 2, 1), (3, 3, 7)])
 def test_two_stage_relayout_reproduces_the_flat_allgather_order(nodes, per_node, part):
     import torch
+
     from smp2ds.engine.mics.allgather import _HierarchicalHandle
 
     parts = [torch.arange(part, dtype=torch.float64) + 100 * g for g in range(nodes * per_node)]
@@ -83,6 +85,7 @@ def test_counter_ring_model_and_node_spans():
 
 def test_counter_patches_only_while_installed():
     import torch.distributed as dist
+
     from smp2ds.engine.diagnostics.comm_counter import CommCounter
 
     before = dist.all_reduce, dist.all_gather_into_tensor, dist.reduce_scatter_tensor

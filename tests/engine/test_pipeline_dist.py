@@ -122,6 +122,7 @@ def _manual_gpt2(model) -> None:
 
 def _train_case(case: dict) -> dict:
     import torch.distributed as dist
+
     from smp2ds.engine.pipeline import build_pipeline, clear_partitions, plan_for
     from smp2ds.translator.topology import Topology
 

@@ -8,15 +8,17 @@ import random
 
 import pytest
 import torch
+from torch import nn
+
 from smp2ds.engine.pipeline import (
     PipelineSettings,
-    plan_for,
     UnsupportedModelError,
     build_layer_list,
     choose_schedule,
     clear_partitions,
     configure_partitions,
     partition,
+    plan_for,
     plan_partition,
     set_partition,
 )
@@ -24,7 +26,6 @@ from smp2ds.engine.pipeline.balance import balance, layer_costs, manual_parts
 from smp2ds.engine.pipeline.layers import compute_proxy
 from smp2ds.translator.issues import SMPConfigError
 from smp2ds.translator.topology import PLACEMENT_ALIASES, PLACEMENT_ORDERS, Topology
-from torch import nn
 
 VOCAB, SEQ = 64, 8
 
@@ -267,6 +268,7 @@ def _simulate(kind, m, stages, group):
     Returns per-stage max micro-batches in flight; fails on deadlock or a lost/duplicated pass.
     """
     from deepspeed.runtime.pipe import schedule as S
+
     from smp2ds.engine.pipeline.schedules import make_train_schedule
 
     streams = [[c for step in make_train_schedule(kind, m, stages, s, group) for c in step] for s in range(stages)]
@@ -318,6 +320,7 @@ def test_schedules_run_without_deadlock_and_respect_the_in_flight_cap(stages):
 
 def test_schedules_keep_only_the_requested_reductions():
     from deepspeed.runtime.pipe import schedule as S
+
     from smp2ds.engine.pipeline.schedules import make_train_schedule
 
     for kind in ("1f1b", "gpipe"):

@@ -6,9 +6,10 @@ from collections import namedtuple
 
 import pytest
 import torch
-from smp2ds.engine.exceptions import TensorSplitError
+
 from smp2ds.engine.core.microbatch_split import check_spec, positional_names, split_call, split_value
 from smp2ds.engine.core.step_output import StepOutput, collect
+from smp2ds.engine.exceptions import TensorSplitError
 
 
 def f(model, x, y, *rest, flag=False, **extra):

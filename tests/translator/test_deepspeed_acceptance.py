@@ -22,12 +22,12 @@ from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError, get_
 from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config  # noqa: E402
 from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig  # noqa: E402
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
+
 from smp2ds.translator import ds_compat  # noqa: E402
 from smp2ds.translator.model import Layout  # noqa: E402
 from smp2ds.translator.normalize import normalize  # noqa: E402
 from smp2ds.translator.planner import plan  # noqa: E402
 from smp2ds.translator.precision import fp16_block  # noqa: E402
-
 from tests._dist import run_ranks  # noqa: E402
 
 CASES: dict[str, tuple[dict[str, Any], int, int | None, int | None]] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from smp2ds.translator.estimate import estimate
 from smp2ds.translator.model import Layout
 from smp2ds.translator.normalize import normalize

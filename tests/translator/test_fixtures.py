@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from smp2ds.translator.issues import SMPConfigError
 from smp2ds.translator.layout import resolve_layout
 from smp2ds.translator.load import load_document

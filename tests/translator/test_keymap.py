@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from smp2ds.schemas import load_schema
 from smp2ds.translator import keymap as km
 from smp2ds.translator.model import Layout

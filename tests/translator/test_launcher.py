@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from smp2ds.translator.model import Layout
 from smp2ds.translator.normalize import normalize
 from smp2ds.translator.planner import plan

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from smp2ds.translator.instances import gpus_for, known_instance_types, processes_for
 from smp2ds.translator.layout import ResolvedLayout, check_world, resolve_layout
 from smp2ds.translator.model import Layout

@@ -4,6 +4,7 @@ RankGenerator (both pure rank arithmetic), ModelParallelConfig acceptance, CLI a
 from __future__ import annotations
 
 import pytest
+
 from smp2ds.translator.megatron import deepspeed_axes, megatron_order, same_order
 from smp2ds.translator.model import Layout
 from smp2ds.translator.normalize import normalize

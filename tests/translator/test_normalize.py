@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from smp2ds.schemas import load_schema
 from smp2ds.translator.issues import SMPConfigError
 from smp2ds.translator.model import Layout

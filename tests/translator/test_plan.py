@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import pytest
+
 from smp2ds.translator.issues import SMPConfigError
 from smp2ds.translator.model import Layout, SMPConfig
 from smp2ds.translator.normalize import normalize
@@ -263,13 +264,12 @@ def test_pipeline_and_tensor_parallel_blocks_only_when_used():
     assert tp.fate == "unsupported" and "not implemented" in tp.reason
 
 
-def test_offload_activations_is_the_engines_with_its_horizon():
+def test_offload_activations_is_reported_as_not_done_by_the_engine():
     p = make({"offload_activations": True, "activation_loading_horizon": 2}, 1)
     assert p.deepspeed["activation_checkpointing"]["cpu_checkpointing"] is True
-    assert p.engine["activation_checkpointing"] == {**p.engine["activation_checkpointing"], "offload": True,
-                                                    "loading_horizon": 2}
     fates = notes_by_key(p)
-    assert fates["offload_activations"].fate == fates["activation_loading_horizon"].fate == "engine"
+    assert fates["offload_activations"].fate == fates["activation_loading_horizon"].fate == "ignored"
+    assert "does not offload" in fates["offload_activations"].reason
 
 
 # --- pipeline engine section ------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
 from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config  # noqa: E402
 from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig  # noqa: E402
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
+
 from smp2ds.schemas import load_schema  # noqa: E402
 from smp2ds.translator.ds_compat import check_deepspeed_config  # noqa: E402
 from smp2ds.translator.estimate import estimate  # noqa: E402

@@ -14,6 +14,7 @@ import string
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from smp2ds.schemas import load_schema
 from smp2ds.translator.document import escape
 from smp2ds.translator.issues import SMPConfigError

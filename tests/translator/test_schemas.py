@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from jsonschema import Draft202012Validator
+
 from smp2ds.schemas import SCHEMA_FILES, load_schema
 from smp2ds.translator.validate import registry, validator_for
 

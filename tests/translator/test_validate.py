@@ -6,6 +6,7 @@ import io
 import json
 
 import pytest
+
 from smp2ds.translator.issues import InputError, SMPConfigError
 from smp2ds.translator.load import load_document, parse_json_text
 from smp2ds.translator.model import Layout

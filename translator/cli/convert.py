@@ -16,11 +16,11 @@ from typing import Any
 
 from . import (
     EXIT_OK,
-    command_parser,
     UsageError,
     add_file_arg,
     add_format_arg,
     add_layout_args,
+    command_parser,
     layout_from_args,
     write_stdout,
 )
@@ -30,13 +30,14 @@ TARGETS: tuple[str, ...] = ("deepspeed", "megatron", "launcher", "plan")
 
 def convert_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """Register ``convert`` (or build a standalone parser when ``subparsers`` is None)."""
-    description = "Translate an SMP configuration into a DeepSpeed config, Megatron arguments, launcher commands or the whole plan."
+    description = (
+        "Translate an SMP configuration into a DeepSpeed config, Megatron arguments, launcher commands "
+        "or the whole plan."
+    )
     parser = command_parser(subparsers, "convert", description)
     add_file_arg(parser)
     add_layout_args(parser)
-    parser.add_argument(
-        "--to", choices=TARGETS, default="deepspeed", help="what to produce (default: deepspeed)"
-    )
+    parser.add_argument("--to", choices=TARGETS, default="deepspeed", help="what to produce (default: deepspeed)")
     parser.add_argument("-o", "--output", metavar="OUT", help="write to OUT instead of standard output")
     parser.add_argument("--overwrite", action="store_true", help="allow -o to replace an existing file")
     add_format_arg(parser)

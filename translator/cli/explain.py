@@ -13,10 +13,10 @@ from typing import Any
 
 from . import (
     EXIT_OK,
-    command_parser,
     add_file_arg,
     add_format_arg,
     add_layout_args,
+    command_parser,
     layout_from_args,
     write_stdout,
 )

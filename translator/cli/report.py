@@ -211,7 +211,8 @@ def render_estimate_text(estimate: Mapping[str, Any]) -> str:
         return "estimate:\n" + "\n".join(_estimate_lines(estimate, "  ")) + "\n"
     selected = estimate.get("selected")
     head = (
-        f"per-rank model state and communication per optimizer step for {human_count(estimate['n_params'])} parameters "
+        "per-rank model state and communication per optimizer step for "
+        f"{human_count(estimate['n_params'])} parameters "
         f"({estimate['bytes_per_param_copy']}-byte parameter copies, "
         f"{estimate['gradient_accumulation_steps']} micro-batch(es) per step, "
         f"data-parallel size {estimate['data_parallel_size']}, {estimate['ranks_per_node']} ranks per node):"

@@ -12,10 +12,10 @@ from typing import Any
 from . import (
     EXIT_INVALID,
     EXIT_OK,
-    command_parser,
     add_file_arg,
     add_format_arg,
     add_layout_args,
+    command_parser,
     layout_from_args,
     source_name,
     write_stdout,

@@ -58,10 +58,10 @@ class Block(nn.Module):
 
         hidden, mask = inputs
         pos = positions(hidden)
-        causal = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask,
-                                    past_key_values=None, position_ids=pos)
-        hidden = self.block(hidden, None, causal, None, encoder_attention_mask=None, use_cache=False,
-                            position_ids=pos)
+        causal = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None, position_ids=pos
+        )
+        hidden = self.block(hidden, None, causal, None, encoder_attention_mask=None, use_cache=False, position_ids=pos)
         return hidden, mask
 
 
@@ -73,13 +73,32 @@ def build(model: nn.Module) -> LayerList:
     first = tied("gpt2_wte", t.wte, tied_token_embedding) if is_tied else TokenEmbedding(t.wte)
     last = tied("gpt2_wte", t.wte, tied_head) if is_tied else Head(model.lm_head)
     head_modules = (t.wte,) if is_tied else (model.lm_head,)
-    layers = [PipeLayer(name="transformer.wte", entry=first, modules=(t.wte,), owners=(t.wte,)),
-              PipeLayer(name="transformer.wpe", entry=PositionEmbedding(t.wpe, t.drop), modules=(t.wpe, t.drop),
-                        owners=(t.wpe, t.drop))]
-    layers += [PipeLayer(name=f"transformer.h.{i}", entry=Block(block, config), modules=(block,), owners=(block,))
-               for i, block in enumerate(t.h)]
+    layers = [
+        PipeLayer(name="transformer.wte", entry=first, modules=(t.wte,), owners=(t.wte,)),
+        PipeLayer(
+            name="transformer.wpe",
+            entry=PositionEmbedding(t.wpe, t.drop),
+            modules=(t.wpe, t.drop),
+            owners=(t.wpe, t.drop),
+        ),
+    ]
+    layers += [
+        PipeLayer(name=f"transformer.h.{i}", entry=Block(block, config), modules=(block,), owners=(block,))
+        for i, block in enumerate(t.h)
+    ]
     layers.append(PipeLayer(name="transformer.ln_f", entry=FinalNorm(t.ln_f), modules=(t.ln_f,), owners=(t.ln_f,)))
-    layers.append(PipeLayer(name="lm_head", entry=last, modules=head_modules, owners=(model.lm_head,),
-                            compute=2.0 * model.lm_head.weight.numel()))
-    return LayerList(family="GPT2LMHeadModel", layers=tuple(layers), adapter=CausalLMAdapter(model, CausalLMOutputWithCrossAttentions),
-                     model=model)
+    layers.append(
+        PipeLayer(
+            name="lm_head",
+            entry=last,
+            modules=head_modules,
+            owners=(model.lm_head,),
+            compute=2.0 * model.lm_head.weight.numel(),
+        )
+    )
+    return LayerList(
+        family="GPT2LMHeadModel",
+        layers=tuple(layers),
+        adapter=CausalLMAdapter(model, CausalLMOutputWithCrossAttentions),
+        model=model,
+    )

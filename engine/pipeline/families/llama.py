@@ -45,11 +45,18 @@ class DecoderLayer(nn.Module):
 
         hidden, mask = inputs
         pos = positions(hidden)
-        causal = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask,
-                                    past_key_values=None, position_ids=pos)
+        causal = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None, position_ids=pos
+        )
         rope = self.rotary_emb(hidden, position_ids=pos)
-        hidden = self.layer(hidden, attention_mask=causal, position_embeddings=rope, position_ids=pos,
-                            past_key_values=None, use_cache=False)
+        hidden = self.layer(
+            hidden,
+            attention_mask=causal,
+            position_embeddings=rope,
+            position_ids=pos,
+            past_key_values=None,
+            use_cache=False,
+        )
         return hidden, mask
 
 
@@ -62,12 +69,30 @@ def build(model: nn.Module) -> LayerList:
     first = tied("llama_embed_tokens", embed, tied_token_embedding) if is_tied else TokenEmbedding(embed)
     last = tied("llama_embed_tokens", embed, tied_head) if is_tied else Head(model.lm_head)
     layers = [PipeLayer(name="model.embed_tokens", entry=first, modules=(embed,), owners=(embed,))]
-    layers += [PipeLayer(name=f"model.layers.{i}", entry=DecoderLayer(layer, inner.rotary_emb, config),
-                         modules=(layer,), owners=(layer,))
-               for i, layer in enumerate(inner.layers[: config.num_hidden_layers])]
-    layers.append(PipeLayer(name="model.norm", entry=FinalNorm(inner.norm), modules=(inner.norm,),
-                            owners=(inner.norm,)))
-    layers.append(PipeLayer(name="lm_head", entry=last, modules=(embed,) if is_tied else (model.lm_head,),
-                            owners=(model.lm_head,), compute=2.0 * model.lm_head.weight.numel()))
-    return LayerList(family="LlamaForCausalLM", layers=tuple(layers), adapter=CausalLMAdapter(model, CausalLMOutputWithPast),
-                     model=model)
+    layers += [
+        PipeLayer(
+            name=f"model.layers.{i}",
+            entry=DecoderLayer(layer, inner.rotary_emb, config),
+            modules=(layer,),
+            owners=(layer,),
+        )
+        for i, layer in enumerate(inner.layers[: config.num_hidden_layers])
+    ]
+    layers.append(
+        PipeLayer(name="model.norm", entry=FinalNorm(inner.norm), modules=(inner.norm,), owners=(inner.norm,))
+    )
+    layers.append(
+        PipeLayer(
+            name="lm_head",
+            entry=last,
+            modules=(embed,) if is_tied else (model.lm_head,),
+            owners=(model.lm_head,),
+            compute=2.0 * model.lm_head.weight.numel(),
+        )
+    )
+    return LayerList(
+        family="LlamaForCausalLM",
+        layers=tuple(layers),
+        adapter=CausalLMAdapter(model, CausalLMOutputWithPast),
+        model=model,
+    )
