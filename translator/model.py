@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from .issues import Issue, SMPConfigError
+
 SourceKind = Literal["parameters", "distribution", "estimator", "smp_v2"]
 Strategy = Literal["modelparallel", "dataparallel"]
 Fate = Literal["mapped", "engine", "ignored", "unsupported"]
@@ -112,6 +114,17 @@ class Plan:
     notes: tuple[KeyNote, ...]
     remarks: tuple[str, ...] = ()
     """Plan-level notes that belong to no single key (e.g. batch size unknown)."""
+
+    def raise_if_unsupported(self) -> None:
+        """Refuse every key this plan reports ``unsupported``, with its reason (all at once).
+
+        ``smp.init`` calls this, so what ``smp2ds explain`` calls unsupported is never accepted
+        silently at run time and never left to fail later inside DeepSpeed.
+        """
+        refused = [Issue(n.pointer, f"{n.key} is not supported: {n.reason}", given=n.value)
+                   for n in self.notes if n.fate == "unsupported"]
+        if refused:
+            raise SMPConfigError(refused)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form; ``notes`` holds per-key fates and plan-level remarks."""

@@ -89,15 +89,7 @@ def _translate(merged: dict[str, Any], launch: launch_env.LaunchEnv) -> tuple[An
     layout = Layout(world_size=launch.world_size, gpus_per_node=launch.local_size)
     cfg = normalize(merged, layout)
     result = plan(cfg, layout)
-    refused = [
-        Issue(n.pointer, f"{n.key} is not supported: {n.reason}", given=n.value)
-        for n in result.notes
-        if n.fate == "unsupported"
-    ]
-    if refused:
-        # What the plan reports as unsupported is refused here, with the same reason, never
-        # accepted silently and never left to fail later inside DeepSpeed.
-        raise SMPConfigError(refused)
+    result.raise_if_unsupported()
     return cfg, result
 
 

@@ -71,10 +71,7 @@ def plan_for(cfg: Mapping[str, Any], world_size: int | None = None,
     layout = Layout(world_size=world_size, gpus_per_node=world_size)
     config = normalize(dict(cfg), layout)
     result = plan(config, layout)
-    refused = [Issue(n.pointer, f"{n.key} is not supported: {n.reason}", given=n.value)
-               for n in result.notes if n.fate == "unsupported"]
-    if refused:
-        raise SMPConfigError(refused)
+    result.raise_if_unsupported()
     if ds_overrides:
         result = dataclasses.replace(result, deepspeed={**result.deepspeed, **ds_overrides})
     return result

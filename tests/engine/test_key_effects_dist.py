@@ -82,3 +82,24 @@ def test_deprecated_fp16_params_and_v2_hybrid_shard_degree_reach_the_engine():
     # SMP v2: hybrid_shard_degree is the MiCS shard size (ZeRO-3 inside groups of that size).
     v2 = run_ranks(_engine_settings, 2, {"hybrid_shard_degree": 2})[0]
     assert v2["zero_stage"] == 3 and v2["param_shard_size"] == 2
+
+
+def _init_error(config: dict) -> list:
+    import smdistributed.modelparallel.torch as smp
+    from smp2ds.translator.issues import SMPConfigError
+
+    try:
+        smp.init(config)
+    except SMPConfigError as exc:
+        return [(i.pointer, i.message, i.given) for i in exc.issues]
+    return []
+
+
+@pytest.mark.slow
+def test_smp_init_refuses_what_explain_reports_unsupported_with_the_same_reason():
+    from smp2ds.translator.tensor_parallel import TP_UNSUPPORTED
+
+    per_rank = run_ranks(_init_error, 2, {"ddp": True, "tensor_parallel_degree": 2, "horovod": False})
+    for issues in per_rank:
+        assert issues == [("/tensor_parallel_degree", f"tensor_parallel_degree is not supported: {TP_UNSUPPORTED}",
+                           2)]
