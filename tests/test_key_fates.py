@@ -53,6 +53,11 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "sdp_gradient_clipping": ("tests/engine/test_key_effects_dist.py::test_mapped_keys_reach_the_running_deepspeed_engine",
                               "tests/engine/test_mics_smp_api.py::test_smp_script_with_delayed_sharded_parameters_matches_single_process"),
     "sdp_hierarchical_allgather": ("tests/engine/test_mics_dist.py::test_hierarchical_allgather_gives_identical_results_on_two_nodes",),
+    "offload_activations": ("tests/engine/test_activation_offload.py::test_offloading_frees_the_saved_device_tensors",
+                            "tests/engine/test_activation_offload.py::test_horizon_comes_from_the_running_plan"),
+    "activation_loading_horizon": (
+        "tests/engine/test_activation_offload.py::test_prefetch_window_is_bounded_by_the_horizon_and_reached",
+        "tests/engine/test_activation_offload.py::test_horizon_comes_from_the_running_plan"),
     "hybrid_shard_degree": ("tests/engine/test_key_effects_dist.py::test_deprecated_fp16_params_and_v2_hybrid_shard_degree_reach_the_engine",),
 }
 """key -> tests (``path`` or ``path::function``) that show its effect at run time."""

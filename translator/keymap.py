@@ -187,15 +187,15 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
            "parallelism is off; stage 3 when sharded data parallelism is on", "always"),
     ),
     "offload_activations": (
-        _r("ignored", None,
-           "the engine does not offload activations yet: checkpointed modules (smp.set_activation_checkpointing) "
-           "recompute in backward, their saved inputs stay on the device; /deepspeed/activation_checkpointing/"
-           "cpu_checkpointing carries the setting for DeepSpeed's own checkpointing API", "true"),
+        _r("engine", "/engine/activation_checkpointing/offload",
+           "checkpointed modules (smp.set_activation_checkpointing, smp.checkpoint) keep their saved inputs in "
+           "CPU memory until backward; /deepspeed/activation_checkpointing/cpu_checkpointing carries the same "
+           "setting for DeepSpeed's own checkpointing API", "true"),
         _r("ignored", None, "false: checkpointed activations stay on the device"),
     ),
     "activation_loading_horizon": (
-        _r("ignored", None, "bounds the prefetch of offloaded activations, and the engine does not offload "
-           "activations yet (see offload_activations)", "offload"),
+        _r("engine", "/engine/activation_checkpointing/loading_horizon",
+           "backward prefetches at most this many offloaded activations ahead of their use", "offload"),
         _r("ignored", None, "only matters with offload_activations"),
     ),
     "task_level_activation_loading_horizon": (

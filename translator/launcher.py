@@ -1,19 +1,30 @@
-"""Launch commands and environment that reproduce a SageMaker SMP job on any machines.
+"""Launcher environment and command lines: the one builder of a SageMaker job's ``SM_*`` variables.
 
 SageMaker ran ``mpirun`` over hosts ``algo-1..algo-N`` and exported the job's settings as
 ``SM_*`` variables (smp-config.md section 6): ``SM_HP_MP_PARAMETERS`` is the compact JSON
 (``sort_keys``, no spaces) of the SMP parameters, ``SM_FRAMEWORK_PARAMS`` the ``sagemaker_*``
-framework keys. The plan gives the same job as deepspeed / torchrun / mpirun command lines (argv
-lists, the script is the placeholder ``train.py``), a DeepSpeed hostfile and that environment.
+framework keys. Two users build on the same pieces here:
+
+* the plan's ``launcher`` section (``launcher_section``): the whole job as deepspeed / torchrun /
+  mpirun command lines (argv lists, the script is the placeholder ``train.py``), a DeepSpeed
+  hostfile and that environment;
+* ``smp2ds launch`` (``local_environment``, ``launcher_command``): the plan's environment completed
+  with what describes *this* machine and launch, and the command line that runs the real script.
+
+Pure: what the machine has (its environment variables, CPU count, launcher executables, the
+Python to run) is passed in by the caller; nothing is probed here and nothing imports torch.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+LAUNCHERS: tuple[str, ...] = ("deepspeed", "torchrun", "mpirun")
+"""The launchers ``launcher_command`` builds command lines for."""
 SCRIPT_PLACEHOLDER = "train.py"
 DEFAULT_MASTER_PORT = 29760
 """SMP's own fallback rendezvous port when neither ddp_port nor MASTER_PORT is set."""
@@ -24,9 +35,19 @@ def compact_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+def env_value(value: Any) -> str:
+    """An ``SM_*`` value as the toolkit's ``to_env_vars`` writes it: strings verbatim, else compact JSON."""
+    return value if isinstance(value, str) else compact_json(value)
+
+
 def hosts_for(nodes: int) -> list[str]:
     """SageMaker host names ``algo-1 .. algo-N``."""
     return [f"algo-{i + 1}" for i in range(nodes)]
+
+
+def hostfile_text(hosts: Sequence[str], slots: int) -> str:
+    """A DeepSpeed hostfile: one ``host slots=N`` line per host."""
+    return "".join(f"{h} slots={slots}\n" for h in hosts)
 
 
 def hyperparameter_args(hyperparameters: Mapping[str, Any]) -> list[str]:
@@ -42,6 +63,14 @@ def hyperparameter_args(hyperparameters: Mapping[str, Any]) -> list[str]:
             value = ",".join(f"{k}={v}" for k, v in sorted(value.items()))
         args += [f"--{key}", str(value)]
     return args
+
+
+def with_hyperparameters(script: Sequence[str], hyperparameters: Mapping[str, Any]) -> list[str]:
+    """``script`` (``[path, args...]`` or ``["-m", module, args...]``) with the hyperparameters'
+    ``--key value`` right after the entry point: as on SageMaker the script gets them, and the
+    arguments the user gave come last, so they win in argparse."""
+    at = 2 if script[0] == "-m" else 1
+    return [*script[:at], *hyperparameter_args(hyperparameters), *script[at:]]
 
 
 def mp_parameters(given: Mapping[str, Any], pp: int, smp_version: int) -> dict[str, Any]:
@@ -88,7 +117,7 @@ def launcher_section(
         instance_type=instance_type,
         hyperparameters=hyperparameters,
     )
-    script_argv = [script, *hyperparameter_args(hyperparameters)]
+    script_argv = with_hyperparameters([script], hyperparameters)
     deepspeed = ["deepspeed"]
     if nodes > 1:
         deepspeed += ["--hostfile", "hostfile", "--num_nodes", str(nodes), "--master_addr", master]
@@ -148,7 +177,7 @@ def launcher_section(
         "deepspeed": deepspeed,
         "torchrun": torchrun,
         "mpirun": mpirun,
-        "hostfile": "".join(f"{h} slots={ranks_per_node}\n" for h in hosts),
+        "hostfile": hostfile_text(hosts, ranks_per_node),
         "env": env,
         "custom_mpi_options": custom,
     }
@@ -169,15 +198,14 @@ def _environment(
 ) -> dict[str, str]:
     dataparallel = strategy == "dataparallel"
     smp_v1 = not dataparallel and smp_version == 1
-    framework: dict[str, Any] = {
-        "sagemaker_distributed_dataparallel_enabled": dataparallel,
-        "sagemaker_mpi_custom_mpi_options": custom,
+    framework = framework_params(
+        dataparallel=dataparallel,
+        custom=custom,
         # SMP v1 only ran under MPI (the SDK refused it otherwise); Hugging Face checks this flag.
-        "sagemaker_mpi_enabled": True if smp_v1 else bool(mpi.get("enabled", False)),
-        "sagemaker_mpi_num_of_processes_per_host": ranks_per_node,
-    }
-    if instance_type:
-        framework["sagemaker_instance_type"] = instance_type
+        mpi_enabled=True if smp_v1 else bool(mpi.get("enabled", False)),
+        ranks_per_node=ranks_per_node,
+        instance_type=instance_type,
+    )
     hps: dict[str, Any] = dict(hyperparameters)
     if not dataparallel:
         hps["mp_parameters"] = mp_parameters(given, pp, smp_version)
@@ -193,6 +221,158 @@ def _environment(
     if instance_type:
         env["SM_CURRENT_INSTANCE_TYPE"] = instance_type
     for name, value in hps.items():
-        # the toolkit's to_env_vars: strings verbatim, everything else as compact JSON
-        env[f"SM_HP_{name.upper()}"] = value if isinstance(value, str) else compact_json(value)
+        env[f"SM_HP_{name.upper()}"] = env_value(value)
     return env
+
+
+def framework_params(
+    *, dataparallel: bool, custom: str, mpi_enabled: bool, ranks_per_node: int, instance_type: str | None
+) -> dict[str, Any]:
+    """The ``sagemaker_*`` keys of ``SM_FRAMEWORK_PARAMS``."""
+    framework: dict[str, Any] = {
+        "sagemaker_distributed_dataparallel_enabled": dataparallel,
+        "sagemaker_mpi_custom_mpi_options": custom,
+        "sagemaker_mpi_enabled": mpi_enabled,
+        "sagemaker_mpi_num_of_processes_per_host": ranks_per_node,
+    }
+    if instance_type:
+        framework["sagemaker_instance_type"] = instance_type
+    return framework
+
+
+# ---------------------------------------------------------------------------------------------
+# one launch on this machine (smp2ds launch)
+
+
+def local_environment(
+    planned: Mapping[str, Any] | None,
+    *,
+    instance_type: str | None,
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    gpus: int,
+    script: Sequence[str],
+    output_dir: str,
+    channels: Mapping[str, str],
+    addr: str,
+    port: int,
+    environ: Mapping[str, str],
+    cpu_count: int,
+) -> dict[str, str]:
+    """The variables a SageMaker training container would export for this launch, sorted by name.
+
+    SMP's own variables (``SM_HP_*`` incl. ``SM_HP_MP_PARAMETERS``, ``SM_HPS``,
+    ``SM_FRAMEWORK_PARAMS``) come from ``planned``, the plan's launcher env (None without a
+    config); what describes *this* machine (hosts, GPUs, folders under the absolute
+    ``output_dir``, channels, the script, the rendezvous) is filled in here. ``SM_*`` folders and
+    the network interface already set in ``environ`` are kept; ``gpus == 0`` selects DeepSpeed's
+    CPU accelerator.
+    """
+    env: dict[str, str] = {str(k): env_value(v) for k, v in (planned or {}).items()}
+    framework = (
+        json.loads(env["SM_FRAMEWORK_PARAMS"])
+        if "SM_FRAMEWORK_PARAMS" in env
+        else framework_params(
+            dataparallel=False, custom="", mpi_enabled=True, ranks_per_node=nproc, instance_type=None
+        )
+    )
+    # smdistributed.dataparallel runs as plain torch.distributed data parallelism here: scripts
+    # (and Hugging Face's Trainer) must not go looking for the SMDDP library.
+    framework["sagemaker_distributed_dataparallel_enabled"] = False
+    framework["sagemaker_mpi_num_of_processes_per_host"] = nproc
+    framework.setdefault("sagemaker_instance_type", instance_type or "local")
+    hosts = hosts_for(nnodes)
+    module = script[0] == "-m"
+    env.update(
+        {
+            "SM_FRAMEWORK_PARAMS": env_value(framework),
+            "SM_HOSTS": env_value(hosts),
+            "SM_CURRENT_HOST": hosts[node_rank],
+            "SM_RESOURCE_CONFIG": env_value({"current_host": hosts[node_rank], "hosts": hosts}),
+            "SM_NUM_GPUS": str(gpus),
+            "SM_NUM_CPUS": str(cpu_count),
+            "SM_NETWORK_INTERFACE_NAME": "lo" if nnodes == 1 else environ.get("SM_NETWORK_INTERFACE_NAME", "eth0"),
+            "SM_USER_ENTRY_POINT": script[1] if module else script[0],
+            "SM_USER_ARGS": env_value(list(script[2:] if module else script[1:])),
+            "SM_LOG_LEVEL": "20",
+            "SM_MODEL_DIR": environ.get("SM_MODEL_DIR", os.path.join(output_dir, "model")),
+            "SM_OUTPUT_DIR": environ.get("SM_OUTPUT_DIR", os.path.join(output_dir, "output")),
+            "SM_OUTPUT_DATA_DIR": environ.get("SM_OUTPUT_DATA_DIR", os.path.join(output_dir, "output", "data")),
+            "SM_OUTPUT_INTERMEDIATE_DIR": environ.get(
+                "SM_OUTPUT_INTERMEDIATE_DIR", os.path.join(output_dir, "output", "intermediate")
+            ),
+            "SM_CHANNELS": env_value(sorted(channels)),
+        }
+    )
+    env.setdefault("SM_HPS", "{}")
+    env.setdefault("SM_CURRENT_INSTANCE_TYPE", framework["sagemaker_instance_type"])
+    for name, path in channels.items():
+        env[f"SM_CHANNEL_{name.upper()}"] = path
+    env.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port)})
+    if gpus == 0:
+        env["DS_ACCELERATOR"] = "cpu"
+    return dict(sorted(env.items()))
+
+
+def launcher_command(
+    launcher: str,
+    script: Sequence[str],
+    *,
+    program: Sequence[str],
+    python: str,
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    addr: str,
+    port: int,
+    env_names: Sequence[str],
+    hostfile: str | None,
+) -> list[str]:
+    """The command line for ``launcher`` running ``script`` (``[path, args...]`` or ``["-m", mod, args...]``).
+
+    ``program`` starts the launcher (e.g. ``[".../bin/deepspeed"]``); ``python`` is the
+    interpreter mpirun starts on every rank; ``env_names`` are the variables mpirun exports.
+    """
+    module = script[0] == "-m"
+    target = list(script[1:] if module else script)
+    if not target:
+        raise ValueError("`-m` needs a module name after it")
+    if launcher == "deepspeed":
+        cmd = [*program, "--num_gpus", str(nproc)]
+        if nnodes > 1:
+            cmd += [
+                "--hostfile",
+                str(hostfile),
+                "--num_nodes",
+                str(nnodes),
+                "--no_ssh",
+                "--node_rank",
+                str(node_rank),
+                "--master_addr",
+                addr,
+            ]
+        # SMP scripts never parsed --local_rank; DeepSpeed still exports LOCAL_RANK.
+        cmd += ["--master_port", str(port), "--no_local_rank"]
+        return cmd + (["--module"] if module else []) + target
+    if launcher == "torchrun":
+        cmd = [
+            *program,
+            "--nproc-per-node",
+            str(nproc),
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            str(node_rank),
+            "--master-addr",
+            addr,
+            "--master-port",
+            str(port),
+        ]
+        return cmd + (["--module"] if module else []) + target
+    if launcher != "mpirun":
+        raise ValueError(f"unknown launcher {launcher!r}; expected one of {', '.join(LAUNCHERS)}")
+    cmd = [*program, "--allow-run-as-root", "-np", str(nproc), "--oversubscribe", "--bind-to", "none"]
+    for name in env_names:
+        cmd += ["-x", name]
+    return cmd + [python] + (["-m"] if module else []) + target

@@ -22,6 +22,7 @@ from .issues import Issue, SMPConfigError
 from .layout import check_world, resolve_layout
 from .load import resolve_parameters_file
 from .model import Layout, SMPConfig
+from .schema_check import SCHEMA_FOR_KIND, schema_issues
 from .semantics import (
     canonical_given,
     check_distribution,
@@ -31,7 +32,6 @@ from .semantics import (
     v1_defaults,
     v2_defaults,
 )
-from .validate import SCHEMA_FOR_KIND, schema_issues
 
 _NOT_OBJECT = "expected a JSON object: SMP parameters, an estimator `distribution` dict or an estimator spec"
 

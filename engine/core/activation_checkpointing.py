@@ -1,23 +1,70 @@
 """Activation checkpointing: ``smp.set_activation_checkpointing`` and ``smp.checkpoint``.
 
 Both use PyTorch's non-reentrant ``torch.utils.checkpoint`` (module granularity, as in SMP).
+
+With the SMP config key ``offload_activations: true`` every checkpointed call (the
+``set_activation_checkpointing`` wrappers, ``smp.checkpoint``, ``smp.checkpoint_sequential``) runs
+under the offload hooks of :mod:`smp2ds.engine.core.activation_offload`: the inputs it keeps for
+recomputation live in CPU memory until backward, which prefetches them back
+``activation_loading_horizon`` activations ahead. The setting is read from the running plan
+(``state.plan.engine["activation_checkpointing"]``) at each call; :func:`offload_activations`
+overrides it for a block of code (tests, or use without ``smp.init``). Without offloading the calls
+are exactly plain non-reentrant checkpointing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from smp2ds.engine.core.activation_offload import _check_horizon, get_offloader
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import DistributedModelNotWrappedError, SMPInvalidArgumentError
+
+_OVERRIDES: list[int | None] = []
+"""Stack of :func:`offload_activations` settings: a horizon, or None for "offloading off"."""
+
+
+@contextlib.contextmanager
+def offload_activations(horizon: int = 4, enabled: bool = True) -> Iterator[None]:
+    """Within this block, checkpointed calls offload (``enabled``) with this loading horizon, or
+    do not offload (``enabled=False``), whatever the running config says. Process-wide; nests."""
+    _OVERRIDES.append(_check_horizon(horizon) if enabled else None)
+    try:
+        yield
+    finally:
+        _OVERRIDES.pop()
+
+
+def offload_horizon() -> int | None:
+    """The activation loading horizon checkpointed calls use now, or None when they do not offload."""
+    if _OVERRIDES:
+        return _OVERRIDES[-1]
+    if not state.initialized or state.plan is None:
+        return None
+    settings = state.plan.engine.get("activation_checkpointing") or {}
+    if not settings.get("offload"):
+        return None
+    horizon = settings.get("loading_horizon")
+    return 4 if horizon is None else int(horizon)
+
+
+def _run_checkpointed(fn: Any, args: tuple, kwargs: dict, preserve_rng_state: bool) -> Any:
+    horizon = offload_horizon()
+    if horizon is None:
+        return _torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+    with get_offloader().call(horizon):
+        return _torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
 
 
 def checkpoint(module: torch.nn.Module, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
     """Run ``module(*args, **kwargs)`` without keeping its activations (recomputed in backward)."""
-    return _torch_checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+    return _run_checkpointed(module, args, kwargs, preserve_rng_state)
 
 
 def _wrap(module: torch.nn.Module, preserve_rng_state: bool) -> None:
@@ -29,8 +76,7 @@ def _wrap(module: torch.nn.Module, preserve_rng_state: bool) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        return _torch_checkpoint(original, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
-                                 **kwargs)
+        return _run_checkpointed(original, args, kwargs, preserve_rng_state)
 
     module.forward = forward
     module._smp2ds_checkpointed = True

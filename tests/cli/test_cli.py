@@ -518,6 +518,7 @@ def test_launch_gpu_machine_has_no_cpu_notice(tmp_path, capsys, monkeypatch):
         (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--", "t.py"], "--node-rank"),
         (["--launcher", "mpirun", "--nnodes", "2", "--master-addr", "h", "--", "t.py"], "ssh"),
         (["--channel", "train", "--", "t.py"], "NAME=PATH"),
+        (["--", "-m"], "`-m` needs a module name"),
     ],
 )
 def test_launch_usage_errors(argv, needle, capsys, monkeypatch):

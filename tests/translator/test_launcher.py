@@ -147,3 +147,78 @@ def test_the_mpirun_command_runs_under_real_open_mpi(tmp_path):
     assert out.returncode == 0, out.stderr
     # each rank wrote what it saw: its MPI rank, the config SMP would load, the rendezvous port
     assert sorted(f.read_text() for f in tmp_path.glob("rank*.txt")) == ["0 2 4321", "1 2 4321"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the same builder serves `smp2ds launch`: pure, machine facts passed in
+
+
+def _local(launcher, **overrides):
+    from smp2ds.translator.launcher import local_environment
+
+    args = dict(
+        instance_type="ml.p4d.24xlarge",
+        nproc=2,
+        nnodes=2,
+        node_rank=1,
+        gpus=0,
+        script=["-m", "pkg.train", "--lr", "1"],
+        output_dir="/out",
+        channels={"train": "/data/train"},
+        addr="10.0.0.1",
+        port=4321,
+        environ={"SM_MODEL_DIR": "/keep/model", "SM_NETWORK_INTERFACE_NAME": "ens5"},
+        cpu_count=3,
+    )
+    args.update(overrides)
+    return local_environment(launcher["env"], **args)
+
+
+def test_local_environment_keeps_the_plans_smp_variables_and_describes_this_machine(launcher, monkeypatch):
+    monkeypatch.setenv("SM_OUTPUT_DIR", "/not/read")  # only the `environ` passed in counts
+    env = _local(launcher)
+    assert list(env) == sorted(env)
+    assert env["SM_HP_MP_PARAMETERS"] == launcher["env"]["SM_HP_MP_PARAMETERS"]
+    assert env["SM_HPS"] == launcher["env"]["SM_HPS"]
+    framework = json.loads(env["SM_FRAMEWORK_PARAMS"])
+    assert framework["sagemaker_mpi_num_of_processes_per_host"] == 2
+    assert framework["sagemaker_distributed_dataparallel_enabled"] is False
+    assert env["SM_CURRENT_HOST"] == "algo-2" and env["SM_NUM_CPUS"] == "3" and env["SM_NUM_GPUS"] == "0"
+    assert env["SM_MODEL_DIR"] == "/keep/model" and env["SM_OUTPUT_DIR"] == "/out/output"
+    assert env["SM_NETWORK_INTERFACE_NAME"] == "ens5"
+    assert env["SM_USER_ENTRY_POINT"] == "pkg.train" and json.loads(env["SM_USER_ARGS"]) == ["--lr", "1"]
+    assert env["SM_CHANNEL_TRAIN"] == "/data/train" and json.loads(env["SM_CHANNELS"]) == ["train"]
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["DS_ACCELERATOR"]) == ("10.0.0.1", "4321", "cpu")
+
+
+def test_local_environment_without_a_config():
+    env = _local({"env": None}, instance_type=None, gpus=8, nnodes=1, node_rank=0)
+    assert json.loads(env["SM_FRAMEWORK_PARAMS"]) == {
+        "sagemaker_distributed_dataparallel_enabled": False,
+        "sagemaker_instance_type": "local",
+        "sagemaker_mpi_custom_mpi_options": "",
+        "sagemaker_mpi_enabled": True,
+        "sagemaker_mpi_num_of_processes_per_host": 2,
+    }
+    assert env["SM_HPS"] == "{}" and env["SM_NETWORK_INTERFACE_NAME"] == "lo"
+    assert "DS_ACCELERATOR" not in env and "SM_HP_MP_PARAMETERS" not in env
+
+
+def test_hyperparameters_go_right_after_the_entry_point():
+    from smp2ds.translator.launcher import with_hyperparameters
+
+    hps = {"b": 2, "a": {"y": 1, "x": 0}}
+    assert with_hyperparameters(["t.py", "--a", "9"], hps) == ["t.py", "--a", "x=0,y=1", "--b", "2", "--a", "9"]
+    assert with_hyperparameters(["-m", "pkg", "--c"], hps)[:3] == ["-m", "pkg", "--a"]
+
+
+def test_local_launcher_commands():
+    from smp2ds.translator.launcher import launcher_command
+
+    common = dict(nproc=2, nnodes=1, node_rank=0, addr="127.0.0.1", port=7, env_names=["A", "B"], hostfile=None)
+    ds = launcher_command("deepspeed", ["-m", "pkg", "--x"], program=["ds"], python="py", **common)
+    assert ds == ["ds", "--num_gpus", "2", "--master_port", "7", "--no_local_rank", "--module", "pkg", "--x"]
+    mpi = launcher_command("mpirun", ["t.py"], program=["mpirun"], python="py", **common)
+    assert mpi[0] == "mpirun" and mpi[-6:] == ["-x", "A", "-x", "B", "py", "t.py"]
+    with pytest.raises(ValueError, match="-m"):
+        launcher_command("torchrun", ["-m"], program=["torchrun"], python="py", **common)

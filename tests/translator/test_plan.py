@@ -264,12 +264,16 @@ def test_pipeline_and_tensor_parallel_blocks_only_when_used():
     assert tp.fate == "unsupported" and "not implemented" in tp.reason
 
 
-def test_offload_activations_is_reported_as_not_done_by_the_engine():
+def test_offload_activations_is_run_by_the_engine_with_its_horizon():
     p = make({"offload_activations": True, "activation_loading_horizon": 2}, 1)
     assert p.deepspeed["activation_checkpointing"]["cpu_checkpointing"] is True
+    assert p.engine["activation_checkpointing"]["offload"] is True
+    assert p.engine["activation_checkpointing"]["loading_horizon"] == 2
     fates = notes_by_key(p)
-    assert fates["offload_activations"].fate == fates["activation_loading_horizon"].fate == "ignored"
-    assert "does not offload" in fates["offload_activations"].reason
+    assert fates["offload_activations"].fate == fates["activation_loading_horizon"].fate == "engine"
+    assert "CPU memory" in fates["offload_activations"].reason
+    off = notes_by_key(make({"offload_activations": False, "activation_loading_horizon": 2}, 1))
+    assert off["offload_activations"].fate == off["activation_loading_horizon"].fate == "ignored"
 
 
 # --- pipeline engine section ------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from smp2ds.schemas import SCHEMA_FILES, load_schema
-from smp2ds.translator.validate import registry, validator_for
+from smp2ds.translator.schema_check import registry, validator_for
 
 # Every name of smp-config.md section 2 (tables 2.1-2.6), the alias `partitions` and
 # `overlapping_allreduce` (a DistributedModel argument that seed 000 passes as a parameter).
@@ -249,7 +249,7 @@ def test_v2_parameters_use_the_v2_schema_under_torch_distributed():
 
 
 def test_schema_rules_are_annotated_for_semantics():
-    # Every cross-key rule in the v1 schema is tagged so validate.py leaves it to semantics.py.
+    # Every cross-key rule in the v1 schema is tagged so schema_check.py leaves it to semantics.py.
     rules = load_schema("smp_v1")["allOf"]
     assert {r["x-smp-rule"] for r in rules} == {
         "ddp-horovod-exclusive",

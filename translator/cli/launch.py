@@ -6,19 +6,21 @@ mpirun. Here the same variables are set (taken from the plan's launcher section 
 them) and the script runs under the deepspeed launcher, torchrun or mpirun, as a subprocess
 whose exit code becomes ours. Without GPUs (no ``nvidia-smi``) the ranks run on the CPU with
 gloo (``DS_ACCELERATOR=cpu``) and a notice says so. ``--dry-run`` prints instead of running.
+
+This module parses the flags, builds a `LaunchSpec`, runs it and reports; the environment and
+the command line come from ``smp2ds.translator.launcher`` (shared with the plan's launcher
+section), the machine probes from ``machine``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
 from . import EXIT_OK, UsageError, command_parser, positive_int, write_stdout
 
-LAUNCHERS: tuple[str, ...] = ("deepspeed", "torchrun", "mpirun")
 DEFAULT_MULTINODE_PORT = 29500
 
 
@@ -49,6 +51,8 @@ class LaunchSpec:
 
 def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """Register ``launch`` (or build a standalone parser when ``subparsers`` is None)."""
+    from smp2ds.translator.launcher import LAUNCHERS
+
     description = (
         "Run an SMP training script with the SageMaker environment (SM_HP_MP_PARAMETERS, "
         "SM_FRAMEWORK_PARAMS, SM_HOSTS, ...) under the deepspeed launcher, torchrun or mpirun. "
@@ -156,11 +160,23 @@ def run(spec: LaunchSpec) -> int:
 
 def build_spec(args: argparse.Namespace) -> LaunchSpec:
     """Resolve the layout, plan the config for it and assemble command and environment."""
+    from smp2ds.translator.launcher import (
+        hostfile_text,
+        hosts_for,
+        launcher_command,
+        local_environment,
+        with_hyperparameters,
+    )
+
+    from .machine import detect_gpus, free_port, launcher_program
+
     script = list(getattr(args, "script_argv", []) or [])
     if not script:
         raise UsageError(
             "nothing to run: put the training script after `--`, e.g. `smp2ds launch -- train.py --lr 1e-3`"
         )
+    if script == ["-m"]:
+        raise UsageError("`-m` needs a module name after it")
     if not 0 <= args.node_rank < args.nnodes:
         raise UsageError(
             f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1} for --nnodes {args.nnodes}"
@@ -175,55 +191,36 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
     channels = _parse_channels(args.channel)
 
     gpus = detect_gpus()
-    path = args.estimator or args.config
-    config = result = None
-    if path is not None:
-        from smp2ds.translator.load import load_document
-        from smp2ds.translator.model import Layout
-        from smp2ds.translator.normalize import normalize
-        from smp2ds.translator.planner import plan
+    config, planned, nproc = _plan(args, gpus)
+    if config is not None:
+        script = with_hyperparameters(script, config.hyperparameters)
 
-        doc = load_document(path)
-        nproc = args.nproc_per_node or _int(normalize(doc).mpi.get("processes_per_host")) or gpus or 1
-        layout = Layout(world_size=nproc * args.nnodes, gpus_per_node=nproc)
-        config = normalize(doc, layout)  # checked against the world this launch runs
-        result = plan(config, layout)
-        # As on SageMaker the script gets the estimator's hyperparameters as `--key value`;
-        # arguments given after `--` come last, so they win in argparse.
-        from smp2ds.translator.launcher import hyperparameter_args
-
-        at = 2 if script[0] == "-m" else 1
-        script = script[:at] + hyperparameter_args(config.hyperparameters) + script[at:]
-    else:
-        nproc = args.nproc_per_node or gpus or 1
-
-    notices = _notices(config, gpus, nproc, args.nnodes)
     addr = args.master_addr or "127.0.0.1"
     ddp_port = _int(config.given.get("ddp_port")) if config is not None else None
     port = args.master_port or ddp_port or (DEFAULT_MULTINODE_PORT if args.nnodes > 1 else free_port())
-    env = sagemaker_env(
-        config,
-        result,
+    env = local_environment(
+        planned,
+        instance_type=config.instance_type if config is not None else None,
         nproc=nproc,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         gpus=gpus,
         script=script,
-        output_dir=args.output_dir,
+        output_dir=os.path.abspath(args.output_dir),
         channels=channels,
+        addr=addr,
+        port=port,
+        environ=os.environ,
+        cpu_count=os.cpu_count() or 1,
     )
-    env.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port)})
-    if gpus == 0:
-        env["DS_ACCELERATOR"] = "cpu"
     hostfile = None
     if args.launcher == "deepspeed" and args.nnodes > 1:
-        hostfile = (
-            os.path.join(args.output_dir, "hostfile"),
-            "".join(f"algo-{i + 1} slots={nproc}\n" for i in range(args.nnodes)),
-        )
+        hostfile = (os.path.join(args.output_dir, "hostfile"), hostfile_text(hosts_for(args.nnodes), nproc))
     command = launcher_command(
         args.launcher,
         script,
+        program=launcher_program(args.launcher),
+        python=sys.executable,
         nproc=nproc,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
@@ -235,9 +232,26 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
     dirs = tuple(
         env[k] for k in ("SM_MODEL_DIR", "SM_OUTPUT_DATA_DIR", "SM_OUTPUT_INTERMEDIATE_DIR") if k in env
     )
-    return LaunchSpec(
-        command=command, env=dict(sorted(env.items())), notices=notices, hostfile=hostfile, dirs=dirs
-    )
+    notices = _notices(config, gpus, nproc, args.nnodes)
+    return LaunchSpec(command=command, env=env, notices=notices, hostfile=hostfile, dirs=dirs)
+
+
+def _plan(args: argparse.Namespace, gpus: int) -> tuple[Any, dict[str, Any] | None, int]:
+    """The config (checked against the world this launch runs), the plan's launcher env and the
+    processes per node; (None, None, nproc) without ``--estimator`` / ``--config``."""
+    path = args.estimator or args.config
+    if path is None:
+        return None, None, args.nproc_per_node or gpus or 1
+    from smp2ds.translator.load import load_document
+    from smp2ds.translator.model import Layout
+    from smp2ds.translator.normalize import normalize
+    from smp2ds.translator.planner import plan
+
+    doc = load_document(path)
+    nproc = args.nproc_per_node or _int(normalize(doc).mpi.get("processes_per_host")) or gpus or 1
+    layout = Layout(world_size=nproc * args.nnodes, gpus_per_node=nproc)
+    config = normalize(doc, layout)
+    return config, plan(config, layout).launcher.get("env"), nproc
 
 
 def _notices(config: Any, gpus: int, nproc: int, nnodes: int) -> list[str]:
@@ -274,179 +288,3 @@ def _parse_channels(items: list[str]) -> dict[str, str]:
             raise UsageError(f"--channel expects NAME=PATH, got {item!r}")
         channels[name] = os.path.abspath(path)
     return channels
-
-
-def detect_gpus() -> int:
-    """GPUs this process may use, without importing torch.
-
-    ``SMP2DS_NUM_GPUS`` overrides; otherwise ``nvidia-smi --list-gpus`` (as the SageMaker toolkit
-    counts them), narrowed by ``CUDA_VISIBLE_DEVICES``; no ``nvidia-smi`` means no GPU.
-    """
-    forced = os.environ.get("SMP2DS_NUM_GPUS")
-    if forced is not None and forced.strip().isdigit():
-        return int(forced)
-    import shutil
-    import subprocess
-
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return 0
-    try:
-        out = subprocess.run([smi, "--list-gpus"], capture_output=True, text=True, timeout=20, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    count = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]
-        count = min(count, len(ids))
-    return count
-
-
-def free_port() -> int:
-    """A TCP port that is free on this host right now (one node only: no shared port needed)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _encode(value: Any) -> str:
-    # The SageMaker toolkit exports strings as-is and everything else as compact sorted JSON.
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def sagemaker_env(
-    config: Any,
-    result: Any,
-    *,
-    nproc: int,
-    nnodes: int,
-    node_rank: int,
-    gpus: int,
-    script: list[str],
-    output_dir: str,
-    channels: dict[str, str],
-) -> dict[str, str]:
-    """The SM_* variables a SageMaker training container would export for this launch.
-
-    SMP's own variables (``SM_HP_*`` incl. ``SM_HP_MP_PARAMETERS``, ``SM_HPS``,
-    ``SM_FRAMEWORK_PARAMS``) come from the plan's launcher section; what describes *this*
-    machine (hosts, GPUs, output folders, channels, the script) is filled in here.
-    """
-    env: dict[str, str] = {}
-    if result is not None:
-        env.update({str(k): _encode(v) for k, v in (result.launcher.get("env") or {}).items()})
-    framework = (
-        json.loads(env["SM_FRAMEWORK_PARAMS"])
-        if "SM_FRAMEWORK_PARAMS" in env
-        else {
-            "sagemaker_distributed_dataparallel_enabled": False,
-            "sagemaker_mpi_custom_mpi_options": "",
-            "sagemaker_mpi_enabled": True,
-        }
-    )
-    # smdistributed.dataparallel runs as plain torch.distributed data parallelism here: scripts
-    # (and Hugging Face's Trainer) must not go looking for the SMDDP library.
-    framework["sagemaker_distributed_dataparallel_enabled"] = False
-    framework["sagemaker_mpi_num_of_processes_per_host"] = nproc
-    framework.setdefault(
-        "sagemaker_instance_type", (config.instance_type if config is not None else None) or "local"
-    )
-    hosts = [f"algo-{i + 1}" for i in range(nnodes)]
-    out_dir = os.path.abspath(output_dir)
-    module = script[0] == "-m"
-    env.update(
-        {
-            "SM_FRAMEWORK_PARAMS": _encode(framework),
-            "SM_HOSTS": _encode(hosts),
-            "SM_CURRENT_HOST": hosts[node_rank],
-            "SM_RESOURCE_CONFIG": _encode({"current_host": hosts[node_rank], "hosts": hosts}),
-            "SM_NUM_GPUS": str(gpus),
-            "SM_NUM_CPUS": str(os.cpu_count() or 1),
-            "SM_NETWORK_INTERFACE_NAME": "lo"
-            if nnodes == 1
-            else os.environ.get("SM_NETWORK_INTERFACE_NAME", "eth0"),
-            "SM_USER_ENTRY_POINT": script[1] if module else script[0],
-            "SM_USER_ARGS": _encode(script[2:] if module else script[1:]),
-            "SM_LOG_LEVEL": "20",
-            "SM_MODEL_DIR": os.environ.get("SM_MODEL_DIR", os.path.join(out_dir, "model")),
-            "SM_OUTPUT_DIR": os.environ.get("SM_OUTPUT_DIR", os.path.join(out_dir, "output")),
-            "SM_OUTPUT_DATA_DIR": os.environ.get(
-                "SM_OUTPUT_DATA_DIR", os.path.join(out_dir, "output", "data")
-            ),
-            "SM_OUTPUT_INTERMEDIATE_DIR": os.environ.get(
-                "SM_OUTPUT_INTERMEDIATE_DIR", os.path.join(out_dir, "output", "intermediate")
-            ),
-            "SM_CHANNELS": _encode(sorted(channels)),
-        }
-    )
-    env.setdefault("SM_HPS", "{}")
-    env.setdefault("SM_CURRENT_INSTANCE_TYPE", framework["sagemaker_instance_type"])
-    for name, path in channels.items():
-        env[f"SM_CHANNEL_{name.upper()}"] = path
-    return env
-
-
-def _tool(name: str, module: str) -> list[str]:
-    # The launcher next to this interpreter, never one from another Python found on PATH.
-    beside = os.path.join(os.path.dirname(sys.executable), name)
-    return [beside] if os.access(beside, os.X_OK) else [sys.executable, "-m", module]
-
-
-def launcher_command(
-    launcher: str,
-    script: list[str],
-    *,
-    nproc: int,
-    nnodes: int,
-    node_rank: int,
-    addr: str,
-    port: int,
-    env_names: list[str],
-    hostfile: str | None,
-) -> list[str]:
-    """The command line for ``launcher`` running ``script`` (``[path, args...]`` or ``["-m", mod, args...]``)."""
-    module = script[0] == "-m"
-    target = script[1:] if module else script
-    if not target:
-        raise UsageError("`-m` needs a module name after it")
-    if launcher == "deepspeed":
-        cmd = _tool("deepspeed", "deepspeed.launcher.runner") + ["--num_gpus", str(nproc)]
-        if nnodes > 1:
-            cmd += [
-                "--hostfile",
-                str(hostfile),
-                "--num_nodes",
-                str(nnodes),
-                "--no_ssh",
-                "--node_rank",
-                str(node_rank),
-                "--master_addr",
-                addr,
-            ]
-        # SMP scripts never parsed --local_rank; DeepSpeed still exports LOCAL_RANK.
-        cmd += ["--master_port", str(port), "--no_local_rank"]
-        return cmd + (["--module"] if module else []) + target
-    if launcher == "torchrun":
-        cmd = _tool("torchrun", "torch.distributed.run") + [
-            "--nproc-per-node",
-            str(nproc),
-            "--nnodes",
-            str(nnodes),
-            "--node-rank",
-            str(node_rank),
-            "--master-addr",
-            addr,
-            "--master-port",
-            str(port),
-        ]
-        return cmd + (["--module"] if module else []) + target
-    import shutil
-
-    mpirun = shutil.which("mpirun") or "mpirun"
-    cmd = [mpirun, "--allow-run-as-root", "-np", str(nproc), "--oversubscribe", "--bind-to", "none"]
-    for name in env_names:
-        cmd += ["-x", name]
-    return cmd + [sys.executable] + (["-m"] if module else []) + target

@@ -1,0 +1,333 @@
+"""The import graph of ``smp2ds.translator`` and ``smp2ds.engine``, read from the files with ``ast``.
+
+* no import cycle among those modules (imports inside functions count: a lazy import only
+  hides a circle, it does not remove it);
+* the translator stays pure: it never imports ``smp2ds.engine``, torch or deepspeed;
+* neither package imports ``smdistributed`` (that is the drop-in package built on the engine).
+
+An edge goes to the module an import names: ``from pkg import name`` is an import of
+``pkg.name`` when that is a module file, else of ``pkg``. Importing ``a.b.c`` also runs
+``a/b/__init__.py``, but that is not counted as an edge: a package ``__init__`` importing its
+own submodules, and a submodule importing a sibling by absolute name, is no cycle unless the
+sibling imports back. ``importlib.import_module("...")`` / ``__import__("...")`` with a constant
+name count as imports; names built at run time cannot be seen. Imports under
+``if TYPE_CHECKING:`` never run: they are checked for forbidden modules but make no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"smp2ds.translator": ROOT / "translator", "smp2ds.engine": ROOT / "engine"}
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # dotted name of the importing module
+    target: str  # dotted name of the module imported (resolved, absolute)
+    line: int
+    typing_only: bool  # under `if TYPE_CHECKING:`
+
+    def where(self, files: dict[str, Path]) -> str:
+        return f"{files[self.source].relative_to(ROOT)}:{self.line}"
+
+
+def module_files(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under translator/ and engine/."""
+    files: dict[str, Path] = {}
+    for package, folder in packages.items():
+        for path in sorted(folder.rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            files[".".join([package, *parts])] = path
+    return files
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(tree: ast.AST) -> Iterator[tuple[ast.AST, bool]]:
+    """Every import statement or constant-name import call, anywhere (functions included), with
+    whether it sits under ``if TYPE_CHECKING:``."""
+
+    def visit(node: ast.AST, typing_only: bool) -> Iterator[tuple[ast.AST, bool]]:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node, typing_only
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if (
+                name in ("import_module", "__import__")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                yield node, typing_only
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                yield from visit(child, True)
+            for child in node.orelse:
+                yield from visit(child, typing_only)
+            return
+        for child in ast.iter_child_nodes(node):
+            yield from visit(child, typing_only)
+
+    yield from visit(tree, False)
+
+
+def _package_of(module: str, files: dict[str, Path]) -> str:
+    """The package a module's relative imports start from (itself for an ``__init__``)."""
+    return module if files[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def imports_of(module: str, files: dict[str, Path]) -> list[Import]:
+    """The modules ``module`` imports, as absolute dotted names (ours resolved to module files)."""
+    tree = ast.parse(files[module].read_text(encoding="utf-8"), filename=str(files[module]))
+    found: list[Import] = []
+    for node, typing_only in _import_nodes(tree):
+        line = getattr(node, "lineno", 0)
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.Call):
+            targets = [node.args[0].value]
+        else:
+            assert isinstance(node, ast.ImportFrom)
+            if node.level:
+                base = _package_of(module, files).split(".")
+                up = node.level - 1
+                if up >= len(base):
+                    raise AssertionError(f"{files[module]}:{line}: relative import above the top package")
+                base = base[: len(base) - up]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            for alias in node.names:
+                candidate = f"{origin}.{alias.name}"
+                targets.append(candidate if candidate in files else origin)
+        found.extend(Import(module, target, line, typing_only) for target in targets)
+    return found
+
+
+def import_graph() -> tuple[dict[str, Path], dict[str, list[Import]]]:
+    files = module_files()
+    graph = {module: imports_of(module, files) for module in files}
+    return files, graph
+
+
+def find_cycles(edges: dict[str, list[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component with more than one module (Tarjan), each as
+    a path ``[a, b, ..., a]``; sorted so failures read the same on every run."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def strongconnect(node: str) -> None:
+        # Iterative, so a deep import chain cannot hit the recursion limit.
+        work = [(node, iter(sorted(edges.get(node, ()))))]
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        while work:
+            current, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[current] = min(low[current], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[current])
+            if low[current] == index[current]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == current:
+                        break
+                components.append(component)
+
+    for node in sorted(edges):
+        if node not in index:
+            strongconnect(node)
+
+    cycles = []
+    for component in components:
+        if len(component) < 2:
+            continue
+        members = set(component)
+        start = min(component)
+        # Shortest way back to `start` inside the component (breadth first).
+        previous: dict[str, str] = {}
+        frontier = [start]
+        while start not in previous:
+            step = []
+            for node in frontier:
+                for child in sorted(edges.get(node, ())):
+                    if child in members and child not in previous:
+                        previous[child] = node
+                        step.append(child)
+            frontier = step
+        path = [start]
+        node = previous[start]
+        while node != start:
+            path.append(node)
+            node = previous[node]
+        path.append(start)
+        path.reverse()
+        cycles.append(path)
+    return sorted(cycles)
+
+
+# ---------------------------------------------------------------------------------------------
+# the resolver itself, on a small made-up tree
+
+
+def test_resolver_on_a_made_up_package(tmp_path):
+    pkg = tmp_path / "translator"
+    (pkg / "cli").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import thing\nfrom . import b\n")
+    (pkg / "a.py").write_text("def f():\n    from smp2ds.translator.b import other\n")
+    (pkg / "b.py").write_text("import json\nfrom smp2ds.translator import a\n")
+    (pkg / "cli" / "__init__.py").write_text("from .. import c\nfrom ..a import thing\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .cli import x\n"
+        "import importlib\nimportlib.import_module('torch')\n"
+    )
+    files = module_files({"smp2ds.translator": pkg})
+    assert set(files) == {
+        "smp2ds.translator",
+        "smp2ds.translator.a",
+        "smp2ds.translator.b",
+        "smp2ds.translator.c",
+        "smp2ds.translator.cli",
+    }
+    graph = {m: imports_of(m, files) for m in files}
+    targets = {m: sorted(i.target for i in imps) for m, imps in graph.items()}
+    assert targets["smp2ds.translator"] == ["smp2ds.translator.a", "smp2ds.translator.b"]
+    assert targets["smp2ds.translator.a"] == ["smp2ds.translator.b"]  # inside a function
+    assert targets["smp2ds.translator.b"] == ["json", "smp2ds.translator.a"]
+    assert targets["smp2ds.translator.cli"] == ["smp2ds.translator.a", "smp2ds.translator.c"]
+    assert targets["smp2ds.translator.c"] == ["importlib", "smp2ds.translator.cli", "torch", "typing"]
+    assert [i.typing_only for i in graph["smp2ds.translator.c"] if i.target.endswith("cli")] == [True]
+    edges = {m: [i.target for i in imps if not i.typing_only and i.target in files] for m, imps in graph.items()}
+    # __init__ -> a, __init__ -> b is no cycle; a <-> b (one of them lazy) is.
+    assert find_cycles(edges) == [["smp2ds.translator.a", "smp2ds.translator.b", "smp2ds.translator.a"]]
+
+
+def test_find_cycles_reports_one_path_per_circle():
+    edges = {"a": ["b"], "b": ["c"], "c": ["a", "d"], "d": ["e"], "e": ["d"], "f": ["a"]}
+    assert find_cycles(edges) == [["a", "b", "c", "a"], ["d", "e", "d"]]
+    assert find_cycles({"pkg": ["pkg.x", "pkg.y"], "pkg.x": ["pkg.y"], "pkg.y": []}) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# the real packages
+
+
+@pytest.fixture(scope="module")
+def graph() -> tuple[dict[str, Path], dict[str, list[Import]]]:
+    return import_graph()
+
+
+def _edge_lines(path: list[str], graph: dict[str, list[Import]], files: dict[str, Path]) -> str:
+    lines = []
+    for source, target in zip(path, path[1:]):
+        at = ", ".join(dict.fromkeys(i.where(files) for i in graph[source] if not i.typing_only and i.target == target))
+        lines.append(f"      {source} -> {target}  ({at})")
+    return "\n".join(lines)
+
+
+def _cycle_report(cycles: list[list[str]], graph: dict[str, list[Import]], files: dict[str, Path]) -> str:
+    blocks = [" -> ".join(c) + "\n" + _edge_lines(c, graph, files) for c in cycles]
+    return f"{len(cycles)} import cycle(s):\n" + "\n".join(f"  {b}" for b in blocks)
+
+
+def test_every_module_was_found(graph):
+    files, _ = graph
+    assert "smp2ds.translator.normalize" in files and "smp2ds.engine" in files
+    assert "smp2ds.translator.cli.launch" in files
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_no_import_cycles(graph, package):
+    files, imports = graph
+    edges = {
+        module: sorted({i.target for i in found if not i.typing_only and i.target in files})
+        for module, found in imports.items()
+    }
+    cycles = [c for c in find_cycles(edges) if c[0] == package or c[0].startswith(package + ".")]
+    if cycles:
+        pytest.fail(_cycle_report(cycles, imports, files), pytrace=False)
+
+
+# The one edge allowed: `smp2ds explain --model FILE` shows the pipeline split the engine would
+# choose, which needs the engine's splitter (and torch). The CLI is the edge of the translator, the
+# import sits inside the function that serves that opt-in flag, and
+# tests/cli/test_cli.py::test_cli_never_imports_torch_or_deepspeed checks that validate/convert/explain
+# without --model never import torch.
+_OPT_IN_ENGINE_IMPORTS = {("smp2ds.translator.cli.explain", "smp2ds.engine.pipeline.explain")}
+
+
+def test_translator_never_imports_engine_torch_or_deepspeed(graph):
+    files, imports = graph
+    bad = [
+        f"{i.where(files)}: {i.source} imports {i.target}"
+        for module, found in imports.items()
+        if module.startswith("smp2ds.translator")
+        for i in found
+        if (i.source, i.target) not in _OPT_IN_ENGINE_IMPORTS
+        and (
+            i.target.split(".")[0] in ("torch", "deepspeed")
+            or i.target == "smp2ds.engine"
+            or i.target.startswith("smp2ds.engine.")
+        )
+    ]
+    if bad:
+        pytest.fail("the translator must stay pure:\n  " + "\n  ".join(bad), pytrace=False)
+
+
+def test_nothing_imports_smdistributed(graph):
+    files, imports = graph
+    bad = [
+        f"{i.where(files)}: {i.source} imports {i.target}"
+        for found in imports.values()
+        for i in found
+        if i.target.split(".")[0] == "smdistributed"
+    ]
+    if bad:
+        pytest.fail("smdistributed is built on smp2ds, never the other way round:\n  " + "\n  ".join(bad), pytrace=False)
+
+
+def test_imports_of_our_modules_resolve(graph):
+    # An import of smp2ds.translator/engine that names no module file is a typo or a stale path.
+    files, imports = graph
+    bad = [
+        f"{i.where(files)}: {i.target}"
+        for found in imports.values()
+        for i in found
+        if i.target.startswith(("smp2ds.translator", "smp2ds.engine")) and i.target not in files
+    ]
+    if bad:
+        pytest.fail("imports of modules that do not exist:\n  " + "\n  ".join(bad), pytrace=False)
