@@ -50,6 +50,24 @@ def hostfile_text(hosts: Sequence[str], slots: int) -> str:
     return "".join(f"{h} slots={slots}\n" for h in hosts)
 
 
+def deepspeed_env_text(env: Mapping[str, str]) -> str:
+    """A ``.deepspeed_env`` file carrying ``env`` to every node of a multi-node deepspeed launch.
+
+    The deepspeed launcher reads ``NAME=value`` lines from ``./.deepspeed_env`` and, over pdsh,
+    runs ``export NAME=value`` on each node, wrapping a value in double quotes when it holds
+    anything beyond ``[\\w@%+=:,./-]``. JSON values (``SM_HPS``, ``SM_HP_MP_PARAMETERS``) contain
+    double quotes, so the characters a double-quoted shell word treats specially (backslash,
+    double quote, ``$`` and backquote) are escaped here; the shell removes the escapes again.
+    """
+    lines = []
+    for name, value in env.items():
+        if "\n" in str(value):  # the file is read line by line: a newline would cut the value
+            raise ValueError(f"{name}: a value with a newline cannot travel in .deepspeed_env")
+        escaped = "".join("\\" + c if c in '\\"$`' else c for c in str(value))
+        lines.append(f"{name}={escaped}\n")
+    return "".join(lines)
+
+
 def hyperparameter_args(hyperparameters: Mapping[str, Any]) -> list[str]:
     """Estimator hyperparameters as the script arguments SageMaker passes: ``--key value``.
 

@@ -22,7 +22,7 @@ SNAPSHOT: dict[str, dict[str, object]] = {
             "--format{json,text}=text",
             "--gpus-per-node",
             "--overwrite",
-            "--to{deepspeed,launcher,megatron,plan}=deepspeed",
+            "--to{accelerate,deepspeed,deepspeed-launcher,launcher,megatron,mpirun,plan,torchrun}=deepspeed",
             "--world-size",
             "-h/--help",
             "-o/--output",

@@ -1,10 +1,15 @@
-"""``smp2ds convert FILE``: the DeepSpeed config (or Megatron args, launcher, whole Plan) for an SMP config.
+"""``smp2ds convert FILE``: DeepSpeed config, Megatron args, launchers, accelerate or the Plan of an SMP config.
 
 ``--to deepspeed`` (default) and ``--to megatron`` print JSON in both formats: the artifact *is*
 JSON; in text format a one-line summary of the key fates goes to stderr so stdout stays a clean
 file. ``--to launcher`` and ``--to plan`` have a text rendering for people and one JSON object
 for tools (``--to plan --format json`` = ``Plan.to_dict()``). ``-o`` writes atomically and
 refuses to replace an existing file unless ``--overwrite`` is given (exit 2).
+
+``--to torchrun|deepspeed-launcher|mpirun`` prints the job's launch as a shell script (hostfile,
+node and process counts, the SageMaker environment; ``launch_script``); ``--to accelerate``
+needs ``-o OUT.yaml`` and writes OUT.yaml plus the DeepSpeed JSON it points at
+(``accelerate_config``).
 """
 
 from __future__ import annotations
@@ -22,17 +27,29 @@ from . import (
     add_layout_args,
     command_parser,
     layout_from_args,
+    source_name,
     write_stdout,
 )
 
-TARGETS: tuple[str, ...] = ("deepspeed", "megatron", "launcher", "plan")
+TARGETS: tuple[str, ...] = (
+    "deepspeed",
+    "megatron",
+    "launcher",
+    "plan",
+    "accelerate",
+    "torchrun",
+    "deepspeed-launcher",
+    "mpirun",
+)
+LAUNCH_TARGETS = ("torchrun", "deepspeed-launcher", "mpirun")
 
 
 def convert_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """Register ``convert`` (or build a standalone parser when ``subparsers`` is None)."""
     description = (
-        "Translate an SMP configuration into a DeepSpeed config, Megatron arguments, launcher commands "
-        "or the whole plan."
+        "Translate an SMP configuration into a DeepSpeed config, Megatron arguments, launcher commands, "
+        "an accelerate config or the whole plan. --to torchrun / deepspeed-launcher / mpirun print the "
+        "job's launch as a shell script; --to accelerate -o OUT.yaml also writes OUT.deepspeed.json."
     )
     parser = command_parser(subparsers, "convert", description)
     add_file_arg(parser)
@@ -49,8 +66,11 @@ def convert_command(args: argparse.Namespace) -> int:
     """Run ``convert``; returns 0, or raises for the guard in ``cli.run_guarded`` to report."""
     if args.overwrite and not args.output:
         raise UsageError("--overwrite only makes sense with -o/--output")
-    if args.output and os.path.exists(args.output) and not args.overwrite:
-        raise UsageError(f"{args.output} exists; pass --overwrite to replace it")
+    if args.to == "accelerate" and not args.output:
+        raise UsageError("--to accelerate writes two files (OUT and the DeepSpeed JSON it names); give -o OUT.yaml")
+    for path in _outputs(args):
+        if os.path.exists(path) and not args.overwrite:
+            raise UsageError(f"{path} exists; pass --overwrite to replace it")
 
     from smp2ds.translator.load import load_document
     from smp2ds.translator.normalize import normalize
@@ -59,9 +79,15 @@ def convert_command(args: argparse.Namespace) -> int:
     from . import report
 
     layout = layout_from_args(args)
-    config = normalize(load_document(args.file), layout)
+    document = load_document(args.file)
+    config = normalize(document, layout)
     result = plan(config, layout)
-    text = render(result, args.to, args.format)
+    if args.to == "accelerate":
+        return _write_accelerate(result, args)
+    if args.to in LAUNCH_TARGETS:
+        text = render_launch(result, args.to, args.format, _entry_point(document), config)
+    else:
+        text = render(result, args.to, args.format)
     if args.output:
         write_atomically(args.output, text)
         if args.format == "text":
@@ -76,6 +102,49 @@ def convert_command(args: argparse.Namespace) -> int:
         for remark in result.remarks:
             sys.stderr.write(f"smp2ds convert: note: {remark}\n")
     return EXIT_OK
+
+
+def _outputs(args: argparse.Namespace) -> list[str]:
+    """The files this run writes (none without -o)."""
+    if not args.output:
+        return []
+    if args.to == "accelerate":
+        from .accelerate_config import deepspeed_json_path
+
+        return [args.output, deepspeed_json_path(args.output)]
+    return [args.output]
+
+
+def _entry_point(document: Any) -> str | None:
+    """The estimator's ``entry_point`` (the script SageMaker runs), when the input names one."""
+    value = document.get("entry_point") if isinstance(document, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+def _write_accelerate(result: Any, args: argparse.Namespace) -> int:
+    from . import report
+    from .accelerate_config import deepspeed_json_path, render_accelerate_yaml
+
+    ds_path = deepspeed_json_path(args.output)
+    write_atomically(ds_path, report.dump_json(result.deepspeed))
+    write_atomically(args.output, render_accelerate_yaml(result, ds_path, source_name(args.file)))
+    if args.format == "json":
+        write_stdout(report.dump_json({"accelerate_config": args.output, "deepspeed_config": ds_path}))
+    else:
+        sys.stderr.write(f"smp2ds convert: wrote accelerate config {args.output} -> DeepSpeed config {ds_path}\n")
+    return EXIT_OK
+
+
+def render_launch(result: Any, target: str, fmt: str, entry_point: str | None, config: Any) -> str:
+    """``--to torchrun|deepspeed-launcher|mpirun``: a shell script, or its parts as one JSON object."""
+    from . import report
+    from .launch_script import launch_spec, render_launch_script
+
+    spec = launch_spec(result.launcher, target, entry_point)
+    if fmt == "json":
+        return report.dump_json(spec)
+    instance = f"{config.instance_count} x {config.instance_type}" if config.instance_type else None
+    return render_launch_script(spec, instance)
 
 
 def render(result: Any, target: str, fmt: str) -> str:
