@@ -59,6 +59,10 @@ SNAPSHOT: dict[str, dict[str, object]] = {
         ],
         "positionals": [],
     },
+    "schema": {
+        "options": ["--format{json,text}=text", "--path", "--print", "--vscode", "-h/--help"],
+        "positionals": [],
+    },
 }
 
 
@@ -89,8 +93,8 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
     return {}
 
 
-def test_subcommands_are_the_documented_four():
-    assert tuple(subparsers(build_parser())) == COMMANDS == ("validate", "convert", "explain", "launch")
+def test_subcommands_are_the_documented_five():
+    assert tuple(subparsers(build_parser())) == COMMANDS == ("validate", "convert", "explain", "launch", "schema")
 
 
 def test_flag_snapshot():

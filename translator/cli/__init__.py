@@ -1,4 +1,4 @@
-"""The ``smp2ds`` command line: ``validate``, ``convert``, ``explain`` and ``launch``.
+"""The ``smp2ds`` command line: ``validate``, ``convert``, ``explain``, ``launch`` and ``schema``.
 
 Thin by design (style.md practice 13): each subcommand lives in its own module with
 ``<name>_command_parser(subparsers)`` and ``<name>_command(args) -> int``; this module builds the
@@ -26,7 +26,7 @@ EXIT_INVALID = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
 
-COMMANDS: tuple[str, ...] = ("validate", "convert", "explain", "launch")
+COMMANDS: tuple[str, ...] = ("validate", "convert", "explain", "launch", "schema")
 
 
 class UsageError(Exception):
@@ -116,6 +116,7 @@ SUMMARIES: dict[str, str] = {
     "convert": "translate to DeepSpeed / Megatron / launcher / plan",
     "explain": "key fates, memory and communication",
     "launch": "run an SMP script on DeepSpeed",
+    "schema": "list, print or locate the JSON Schemas (editor setup)",
 }
 
 
