@@ -12,18 +12,18 @@ import math
 import re
 from collections.abc import Iterable, Iterator
 from functools import cache, lru_cache
-from typing import Any
-
-from jsonschema import Draft202012Validator, validators
-from jsonschema.exceptions import ValidationError
-from referencing import Registry
-from referencing.jsonschema import DRAFT202012
+from typing import TYPE_CHECKING, Any
 
 from smp2ds.schemas import SCHEMA_FILES, load_schema
 
 from .document import V2_ONLY_KEYS, Document, pointer_of
 from .issues import Issue
+from .schema_fast import is_valid
 from .suggest import close_matches, unknown_key_hint
+
+if TYPE_CHECKING:  # jsonschema is imported only when a document needs its detailed errors
+    from jsonschema.exceptions import ValidationError
+    from referencing import Registry
 
 SCHEMA_FOR_KIND = {
     "parameters": "smp_v1",
@@ -51,14 +51,21 @@ def _is_int(_checker: Any, value: Any) -> bool:
 def _exact_type(_validator: Any, wanted: str, instance: Any, _schema: Any) -> Iterator[ValidationError]:
     # SMP's float keys reject ints (`1` is not a float there). Kept out of the type checker
     # because jsonschema's `minimum`/`maximum` only look at instances of type "number".
+    from jsonschema.exceptions import ValidationError
+
     if wanted == "float" and isinstance(instance, int) and not isinstance(instance, bool):
         yield ValidationError(f"{instance!r} is not a float")
 
 
-_CHECKER = Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_int)
-StrictValidator = validators.extend(
-    Draft202012Validator, validators={"x-smp-exact-type": _exact_type}, type_checker=_CHECKER
-)
+@cache
+def strict_validator_class() -> Any:
+    """Draft 2020-12 with SMP's exact types: ``integer`` excludes booleans and 4.0, plus x-smp-exact-type."""
+    from jsonschema import Draft202012Validator, validators
+
+    checker = Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_int)
+    return validators.extend(
+        Draft202012Validator, validators={"x-smp-exact-type": _exact_type}, type_checker=checker
+    )
 
 
 def _without_dialect(name: str) -> dict[str, Any]:
@@ -71,6 +78,9 @@ def _without_dialect(name: str) -> dict[str, Any]:
 @lru_cache(maxsize=1)
 def registry() -> Registry:
     """Our four schemas by ``$id`` (draft 2020-12), so cross-file ``$ref`` resolves offline."""
+    from referencing import Registry
+    from referencing.jsonschema import DRAFT202012
+
     resources = []
     for name in SCHEMA_FILES:
         schema = _without_dialect(name)
@@ -81,7 +91,7 @@ def registry() -> Registry:
 @cache
 def validator_for(name: str) -> Any:
     """A strict-typed draft 2020-12 validator for schema ``name``."""
-    return StrictValidator(_without_dialect(name), registry=registry())
+    return strict_validator_class()(_without_dialect(name), registry=registry())
 
 
 def type_name(value: Any) -> str:
@@ -304,6 +314,8 @@ def schema_issues(
     instance: Any, schema_name: str, doc: Document, prefix: tuple[Any, ...] = ()
 ) -> list[Issue]:
     """Every schema problem of ``instance`` (which sits at ``prefix`` inside the user's document)."""
+    if is_valid(instance, schema_name):  # the common case, answered without importing jsonschema
+        return []
     found: list[tuple[str, Issue]] = []
     for err in validator_for(schema_name).iter_errors(instance):
         found.extend((str(err.validator), issue) for issue in render(err, doc, prefix))

@@ -226,3 +226,40 @@ def test_accelerate_launch_runs_the_converted_deepspeed_config(tmp_path, capsys)
             ds["train_micro_batch_size_per_gpu"],
         )
         assert seen["engine_dp_world"] == 2 and seen["engine_clipping"] == ds["gradient_clipping"]
+
+
+# ---------------------------------------------------------------------------------------------
+# start-up: what validate / convert / explain import
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["validate", str(GPT2_30B)],
+        ["convert", str(GPT2_30B)],
+        ["convert", str(GPT2_30B), "--to", "torchrun"],
+        ["explain", str(GPT2_30B), "--params", "30e9"],
+        ["schema", "--print", "estimator"],
+    ],
+    ids=lambda argv: " ".join(a for a in argv if not a.startswith("/")),
+)
+def test_valid_input_imports_neither_frameworks_nor_jsonschema(argv):
+    """Valid input takes the fast schema check: no torch/deepspeed/transformers, no jsonschema."""
+    probe = (
+        "import sys\n"
+        "from smp2ds.translator.cli import main\n"
+        f"code = main({argv!r})\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'deepspeed', 'transformers', "
+        "'accelerate', 'jsonschema', 'referencing', 'yaml', 'numpy'})\n"
+        "print('HEAVY', code, heavy, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert "HEAVY 0 []" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_invalid_input_still_gets_jsonschemas_detailed_issues(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"microbatches": True, "partitions": 2}), encoding="utf-8")
+    assert main(["validate", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "/microbatches: must be an integer, not a boolean" in out
