@@ -36,6 +36,7 @@ SNAPSHOT: dict[str, dict[str, object]] = {
             "--gpus-per-node",
             "--model",
             "--params",
+            "--scale",
             "--world-size",
             "-h/--help",
         ],

@@ -59,6 +59,12 @@ def explain_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         "DistributedModel would choose, and use its parameter count when --params is not given "
         "(imports torch and transformers; the model is built on the meta device, without weights)",
     )
+    parser.add_argument(
+        "--scale",
+        action="store_true",
+        help="only compare this layout with ZeRO-3 and plain data parallelism: model-state memory per rank "
+        "and bytes per rank and step over in-node and cross-node links",
+    )
     add_layout_args(parser)
     add_format_arg(parser)
     parser.set_defaults(handler=explain_command)
@@ -79,6 +85,15 @@ def explain_command(args: argparse.Namespace) -> int:
     split = _model_split(args.model, config) if args.model else None
     params = args.params or (split.n_params if split else None)
     estimate = _estimate(result, params, "--model" if split and not args.params else None)
+    if args.scale:
+        from . import scale, source_name
+
+        summary = scale.scale_summary(estimate, result.topology)
+        text = report.dump_json(summary) if args.format == "json" else scale.render_scale_text(
+            summary, source_name(args.file)
+        )
+        write_stdout(text)
+        return EXIT_OK
     if args.format == "json":
         write_stdout(
             report.dump_json(
