@@ -19,7 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from smp2ds.engine.pipeline.families.causal_lm import Head
-from smp2ds.engine.pipeline.families.hf_common import bind_call, check_call, finish, long_mask, positions
+from smp2ds.engine.pipeline.families.hf_common import (
+    bidirectional_mask,
+    bind_call,
+    causal_mask,
+    check_call,
+    finish,
+    long_mask,
+    positions,
+)
 from smp2ds.engine.pipeline.layers import LayerList, PipeLayer, tied
 
 SUPPORTED_ARGS = ("input_ids", "attention_mask", "token_type_ids", "labels")
@@ -30,11 +38,9 @@ def matches(model: nn.Module) -> bool:
 
 
 def _attention_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor) -> Any:
-    from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
-
     if config.is_decoder:
-        return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None)
-    return create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=mask)
+        return causal_mask(config, hidden, mask)
+    return bidirectional_mask(config, hidden, mask)
 
 
 class Embeddings(nn.Module):

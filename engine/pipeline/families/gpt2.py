@@ -24,7 +24,7 @@ from smp2ds.engine.pipeline.families.causal_lm import (
     tied_head,
     tied_token_embedding,
 )
-from smp2ds.engine.pipeline.families.hf_common import positions
+from smp2ds.engine.pipeline.families.hf_common import causal_mask, positions
 from smp2ds.engine.pipeline.layers import LayerList, PipeLayer, tied
 
 
@@ -54,15 +54,12 @@ class Block(nn.Module):
         self.config = config
 
     def forward(self, inputs: tuple) -> tuple:
-        from transformers.masking_utils import create_causal_mask
-
         hidden, mask = inputs
         pos = positions(hidden)
-        causal = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None, position_ids=pos
-        )
-        hidden = self.block(hidden, None, causal, None, encoder_attention_mask=None, use_cache=False, position_ids=pos)
-        return hidden, mask
+        causal = causal_mask(self.config, hidden, mask, position_ids=pos)
+        out = self.block(hidden, attention_mask=causal, encoder_attention_mask=None, use_cache=False, position_ids=pos)
+        # Early 5.x releases return (hidden, ...) from a block, later ones the hidden states alone.
+        return (out[0] if isinstance(out, tuple) else out), mask
 
 
 def build(model: nn.Module) -> LayerList:

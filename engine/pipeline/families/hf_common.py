@@ -82,3 +82,38 @@ def finish(output: Any, bound: dict[str, Any], config: Any) -> Any:
     if return_dict is None:
         return_dict = getattr(config, "return_dict", True)
     return output if return_dict else output.to_tuple()
+
+
+def _mask_call(builder: Callable[..., Any], config: Any, hidden: torch.Tensor, mask: torch.Tensor,
+               **extra: Any) -> Any:
+    """Call a ``transformers.masking_utils`` builder with the spelling the installed release takes.
+
+    Earlier 5.x releases name the embeddings ``input_embeds`` and require ``cache_position`` and
+    ``past_key_values``; later ones name them ``inputs_embeds`` and require ``cache`` instead.
+    All build the same mask for a cache-free call.
+    """
+    params = inspect.signature(builder).parameters
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": mask, **extra}
+    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
+    if "cache_position" in params:
+        kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
+    for cache_arg in ("past_key_values", "cache"):  # no cache: the spelling differs by release
+        if cache_arg in params:
+            kwargs[cache_arg] = None
+    return builder(**kwargs)
+
+
+def causal_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> Any:
+    """transformers' own causal attention mask for a cache-free forward (any supported release)."""
+    from transformers.masking_utils import create_causal_mask
+
+    extra = {} if position_ids is None else {"position_ids": position_ids}
+    return _mask_call(create_causal_mask, config, hidden, mask, **extra)
+
+
+def bidirectional_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor) -> Any:
+    """transformers' own bidirectional (encoder) attention mask (any supported release)."""
+    from transformers.masking_utils import create_bidirectional_mask
+
+    return _mask_call(create_bidirectional_mask, config, hidden, mask)

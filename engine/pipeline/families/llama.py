@@ -23,7 +23,7 @@ from smp2ds.engine.pipeline.families.causal_lm import (
     tied_head,
     tied_token_embedding,
 )
-from smp2ds.engine.pipeline.families.hf_common import positions
+from smp2ds.engine.pipeline.families.hf_common import causal_mask, positions
 from smp2ds.engine.pipeline.layers import LayerList, PipeLayer, tied
 
 
@@ -41,13 +41,9 @@ class DecoderLayer(nn.Module):
         self.config = config
 
     def forward(self, inputs: tuple) -> tuple:
-        from transformers.masking_utils import create_causal_mask
-
         hidden, mask = inputs
         pos = positions(hidden)
-        causal = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None, position_ids=pos
-        )
+        causal = causal_mask(self.config, hidden, mask, position_ids=pos)
         rope = self.rotary_emb(hidden, position_ids=pos)
         hidden = self.layer(
             hidden,
