@@ -65,7 +65,12 @@ class PipelineBackend(DataParallelBackend):
         self.runner.train(mode)
 
     def run_step(self, model: Any, step_fn: Any, args: tuple, kwargs: dict) -> list[Any]:
-        pieces = step_fn.split(args, kwargs, self.microbatches)
+        if self.runner.is_first_stage:
+            pieces = step_fn.split(args, kwargs, self.microbatches)
+        else:
+            # SMP ignores the other stages' inputs (often empty dummies that cannot be split): the
+            # runner replaces them with the first stage's micro-batches; these only supply objects.
+            pieces = [(args, dict(kwargs))] * self.microbatches
         training = self.runner.training and torch.is_grad_enabled()
         reduce = True
         if training:

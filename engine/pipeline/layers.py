@@ -10,8 +10,10 @@ Layers take one argument (a tensor or a tuple of tensors) and return one, becaus
 pipeline sends only tensors between stages. Floating-point tensors crossing a stage boundary
 must carry gradients; masks cross as integer tensors.
 
-Supported families (`build_layer_list`): ``nn.Sequential``; Hugging Face ``GPT2LMHeadModel``,
-``BertForSequenceClassification``, ``BertForMaskedLM``, ``LlamaForCausalLM``.
+Named families (`build_layer_list`): ``nn.Sequential``; Hugging Face ``GPT2LMHeadModel``,
+``BertForSequenceClassification``, ``BertForMaskedLM``, ``LlamaForCausalLM``. Any other module
+goes through the traced family (``families/traced``: ``torch.fx`` symbolic tracing, cut between
+``torch.nn`` leaf modules), which refuses a model only when tracing or cutting fails.
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ class LayerList:
     layers: tuple[PipeLayer, ...]
     adapter: ModelAdapter
     model: nn.Module
+    buffer_slots: tuple[tuple[nn.Module, str, str], ...] = ()
+    """``(holder, attribute, state_dict key)`` for buffers a layer holds outside their own module."""
 
     @property
     def names(self) -> list[str]:

@@ -18,8 +18,11 @@ How an ``@smp.step`` function runs here (the function calls ``model(...)`` once 
 
 Consequences (documented limits): one model call per step function; code after ``model(...)``
 runs only on the last stage and code before it on the first and last stage; gradients are not
-visible inside the step function (the backward pass runs later, in the schedule). Every rank
-of one pipeline must receive the same step arguments (SMP's rule: shard data by ``dp_rank``).
+visible inside the step function (the backward pass runs later, in the schedule). As in SMP,
+the step runs with the *first stage's* arguments: scripts may load data on ``pp_rank 0`` only and
+pass dummies elsewhere; the first stage sends its micro-batches to the other stages of its
+pipeline (`step_inputs`), which use their own arguments only for objects that are not sent
+(the model, an optimizer). Shard data by ``dp_rank`` (SMP's rule).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torch import nn
 from smp2ds.engine.exceptions import BwdExecutionNotInStepFnError, FwdExecutionNotInStepFnError, SMPRuntimeError
 from smp2ds.engine.pipeline import stage_collectives as collectives
 from smp2ds.engine.pipeline import stage_state_dict as state
+from smp2ds.engine.pipeline import step_inputs
 from smp2ds.engine.pipeline.ds_topology import to_ds_topology
 from smp2ds.engine.pipeline.layers import LayerList, build_layer_list
 from smp2ds.engine.pipeline.module import PlannedPipelineModule
@@ -86,7 +90,7 @@ class PipelineRunner:
             default_partition=settings.default_partition)
         if rank == 0:
             log.info("%s", self.partition.describe())
-        self._names = state.StateNames(model)
+        self._names = state.StateNames(model, self.layer_list.buffer_slots)
         self.module = PlannedPipelineModule(self.layer_list.entries, self.partition.parts,
                                             to_ds_topology(topology), loss_fn=self._loss_fn)
         self.stage = self.module.stage_id
@@ -188,7 +192,10 @@ class PipelineRunner:
         training = self.training and torch.is_grad_enabled()
         if training and self._optimizer is None and self.engine is None:
             raise SMPRuntimeError("create smp.DistributedOptimizer(...) before the first training step")
+        micro_calls = self._inputs_from_first_stage(micro_calls)
         self._ensure_engine(micro_calls)
+        if not self.is_first_stage and self.engine.device != torch.device("cpu"):
+            micro_calls = collectives.map_tensors(micro_calls, lambda t: t.to(self.engine.device))
         self._reset_shapes_if_changed(micro_calls)
         inputs = [self._capture(fn, a, k) for a, k in micro_calls] if self.is_first_stage else [None] * m
         self._fn, self._calls_in, self._training = fn, list(micro_calls), training
@@ -215,6 +222,12 @@ class PipelineRunner:
             results, losses = collectives.map_tensors((results, losses), lambda t: t.to(engine.device))
         self.last_losses = list(losses)
         return list(results)
+
+    def _inputs_from_first_stage(self, micro_calls: Sequence[MicroCall]) -> list[MicroCall]:
+        """SMP runs a step with the first stage's inputs: the other stages receive its micro-batches."""
+        grid = self.module.mpu()
+        return step_inputs.from_first_stage(micro_calls, is_first=self.is_first_stage, src=grid.stage_to_global(0),
+                                            group=grid.get_pipe_parallel_group())
 
     def _reduction(self, reduce_grads: bool) -> str:
         if not reduce_grads:

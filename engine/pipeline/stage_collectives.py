@@ -25,7 +25,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, dict):
         items = {k: map_tensors(v, fn) for k, v in obj.items()}
         try:
-            return type(obj)(**items) if _is_model_output(obj) else type(obj)(items)
+            return type(obj)(**items) if is_model_output(obj) else type(obj)(items)
         except TypeError:
             return items
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
@@ -35,8 +35,13 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return obj
 
 
-def _is_model_output(obj: Any) -> bool:
-    return any(cls.__name__ == "ModelOutput" for cls in type(obj).__mro__)
+def is_model_output(obj: Any) -> bool:
+    return is_model_output_class(type(obj))
+
+
+def is_model_output_class(cls: type) -> bool:
+    """A Hugging Face ``ModelOutput`` subclass (found by name: transformers is optional)."""
+    return any(base.__name__ == "ModelOutput" for base in cls.__mro__)
 
 
 def detach(obj: Any) -> Any:
@@ -44,7 +49,7 @@ def detach(obj: Any) -> Any:
     return map_tensors(obj, lambda t: t.detach())
 
 
-class _Packed:
+class Packed:
     """A tensor as raw bytes + dtype + shape: pickles far cheaper than torch's tensor reduction."""
 
     __slots__ = ("data", "dtype", "shape")
@@ -64,11 +69,11 @@ class _Packed:
 
 
 def _unpack(obj: Any) -> Any:
-    if isinstance(obj, _Packed):
+    if isinstance(obj, Packed):
         return obj.unpack()
     if isinstance(obj, dict):
         items = {k: _unpack(v) for k, v in obj.items()}
-        return type(obj)(**items) if _is_model_output(obj) else type(obj)(items)
+        return type(obj)(**items) if is_model_output(obj) else type(obj)(items)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(_unpack(v) for v in obj))
     if isinstance(obj, (list, tuple)):
@@ -78,8 +83,13 @@ def _unpack(obj: Any) -> Any:
 
 def broadcast_object(obj: Any, src: int, group: Any) -> Any:
     """``obj`` from global rank ``src`` on every rank of ``group`` (tensors arrive on CPU)."""
-    packed = map_tensors(obj, _Packed) if comm.get_rank() == src else None
+    packed = map_tensors(obj, Packed) if comm.get_rank() == src else None
     return _unpack(comm.broadcast_object(packed, src, group))
+
+
+def broadcast_raw(obj: Any, src: int, group: Any) -> Any:
+    """``obj`` (already free of device tensors, e.g. `Packed`) from global rank ``src`` on every rank of ``group``."""
+    return comm.broadcast_object(obj if comm.get_rank() == src else None, src, group)
 
 
 def all_gather_objects(obj: Any, group: Any) -> list[Any]:

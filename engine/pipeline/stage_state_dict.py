@@ -20,7 +20,7 @@ from torch import nn
 class StateNames:
     """Maps the tensors of a pipeline stage to the original model's ``state_dict`` keys."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, extra_slots: tuple[tuple[nn.Module, str, str], ...] = ()):
         keys = set(model.state_dict(keep_vars=True).keys())
         self.all_keys: frozenset[str] = frozenset(keys)
         self._by_slot: dict[tuple[int, str], list[str]] = {}
@@ -34,8 +34,12 @@ class StateNames:
                 self._by_slot.setdefault((id(module), attr), []).append(key)
                 if isinstance(tensor, nn.Parameter):
                     self._by_param.setdefault(id(tensor), []).append(key)
+        # Buffers a pipeline layer holds outside their own module (a traced layer's direct reads).
+        for holder, attr, key in extra_slots:
+            if key in keys:
+                self._by_slot.setdefault((id(holder), attr), []).append(key)
         # Keep the modules alive: ids are only meaningful while the objects exist.
-        self._modules = list(model.modules())
+        self._modules = list(model.modules()) + [holder for holder, _, _ in extra_slots]
 
     def local_tensors(self, stage_module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """``(original key, tensor)`` for every parameter/persistent buffer of ``stage_module``."""

@@ -1,0 +1,1 @@
+"""Script-level tests: unchanged SMP-style scripts launched as real jobs (torchrun, CPU, gloo)."""
