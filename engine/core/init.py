@@ -25,6 +25,7 @@ from smp2ds.engine.core import comm, launch_env
 from smp2ds.engine.core.process_groups import create_groups
 from smp2ds.engine.core.state import ConfigView, state
 from smp2ds.engine.diagnostics import failure_report as faults
+from smp2ds.engine.diagnostics import step_log
 from smp2ds.engine.diagnostics.watchdog import Watchdog, timeout_from_env
 from smp2ds.translator.issues import Issue, SMPConfigError
 from smp2ds.translator.model import Layout
@@ -182,6 +183,7 @@ def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> 
     faults.install(launch.rank)
     atexit.register(shutdown)
     state.initialized = True
+    step_log.start_logging(plan, launch, backend)  # SMP2DS_LOG: rank-tagged lines, layout on rank 0
     if launch.rank == 0:
         state.cfg.display_config()
 

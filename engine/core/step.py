@@ -15,6 +15,7 @@ from typing import Any
 from smp2ds.engine.core.microbatch_split import Piece, check_spec, positional_names, split_named
 from smp2ds.engine.core.state import state
 from smp2ds.engine.core.step_output import collect
+from smp2ds.engine.diagnostics import step_log
 from smp2ds.engine.exceptions import MissingDistributedModelError
 
 
@@ -44,7 +45,10 @@ class StepFunction:
                 f"smp.step function {self.func.__name__!r} was called before smp.DistributedModel(...) existed; "
                 "wrap the model first"
             )
-        return collect(model.run_step(self, args, kwargs), self.detach_outputs)
+        started = step_log.step_started()
+        outputs = collect(model.run_step(self, args, kwargs), self.detach_outputs)
+        step_log.step_finished(started, outputs)  # SMP2DS_LOG=info: one line every SMP2DS_LOG_FREQ steps
+        return outputs
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         # Decorating a method: bind like a function would.
