@@ -23,7 +23,7 @@ from typing import Any
 
 from .layout import params_pointer
 from .model import Fate, KeyNote, SMPConfig
-from .tensor_parallel import TP_UNSUPPORTED
+from .tensor_parallel import TP_ENGINE, TP_WITH_PIPELINE_UNSUPPORTED, TP_WITH_SDP_UNSUPPORTED, runs
 
 Condition = Callable[[Mapping[str, Any], Any], bool]
 
@@ -36,6 +36,9 @@ CONDITIONS: dict[str, Condition] = {
     "pipeline": lambda p, v: p.get("pipeline_parallel_degree", 1) > 1,
     "forward_only": lambda p, v: p.get("pipeline_parallel_degree", 1) > 1 and v == "_only_forward",
     "tp": lambda p, v: p.get("tensor_parallel_degree", 1) > 1,
+    "tp_pipeline": lambda p, v: p.get("tensor_parallel_degree", 1) > 1 and p.get("pipeline_parallel_degree", 1) > 1,
+    "tp_sdp": lambda p, v: p.get("tensor_parallel_degree", 1) > 1 and p.get("sharded_data_parallel_degree", 1) > 1,
+    "tp_runs": lambda p, v: runs(p),
     "offload": lambda p, v: p.get("offload_activations") is True,
 }
 
@@ -71,7 +74,9 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
     "pipeline_parallel_degree": _PP_RULES,
     "partitions": _PP_RULES,
     "tensor_parallel_degree": (
-        _r("unsupported", None, TP_UNSUPPORTED, "tp"),
+        _r("unsupported", None, TP_WITH_PIPELINE_UNSUPPORTED, "tp_pipeline"),
+        _r("unsupported", None, TP_WITH_SDP_UNSUPPORTED, "tp_sdp"),
+        _r("engine", "/engine/tensor_parallel/degree", TP_ENGINE, "tp"),
         _r("ignored", None, "1 = no tensor parallelism; nothing to emit"),
     ),
     "sharded_data_parallel_degree": (
@@ -215,9 +220,12 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
            "already sharded (deepspeed.zero.Init in the shard group)"),
     ),
     "prescaled_batch": (
-        _r("ignored", None, "only matters with tensor parallelism, which smp2ds does not run yet "
-           "(tensor_parallel_degree is refused)", "tp"),
-        _r("ignored", None, "only matters with tensor_parallel_degree > 1"),
+        _r("engine", "/engine/tensor_parallel/prescaled_batch",
+           "false: every tensor-parallel rank brings its own batch and each tensor-parallel region joins the "
+           "group's batches and hands every rank its own rows back; true: the group shares one batch "
+           "(data sharded by rdp_rank)", "tp_runs"),
+        _r("ignored", None, "only matters with tensor parallelism, and this plan runs none "
+           "(tensor_parallel_degree is 1 or refused)"),
     ),
     "checkpoint_attentions": (
         _r("ignored", None,
@@ -244,9 +252,10 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
         _r("ignored", None, "false: default accumulation"),
     ),
     "tensor_parallel_seed": (
-        _r("ignored", None, "seeds tensor-parallel modules, which smp2ds does not run yet "
-           "(tensor_parallel_degree is refused)", "tp"),
-        _r("ignored", None, "no tensor parallelism"),
+        _r("engine", "/engine/tensor_parallel/seed",
+           "seeds the fresh weights of smp.nn distributed modules (the same full tensor on every rank and "
+           "degree) and the dropout stream tensor-parallel regions share", "tp_runs"),
+        _r("ignored", None, "no tensor parallelism runs in this plan"),
     ),
     # --- sharded data parallelism --------------------------------------------------------------
     "sdp_reduce_bucket_size": (

@@ -1,10 +1,11 @@
-"""Tensor parallelism: SMP ``tensor_parallel_degree``.
+"""Tensor parallelism: SMP ``tensor_parallel_degree``, ``tensor_parallel_seed``, ``prescaled_batch``.
 
-The engine does not run tensor parallelism yet, so a plan with ``tensor_parallel_degree > 1``
-reports the key ``unsupported`` (reason: :data:`TP_UNSUPPORTED`) and ``smp.init`` refuses it with
-the same words. The Megatron section still shows the layout such a run would use. The DeepSpeed
-``tensor_parallel`` block stays empty: emitting AutoTP settings the engine does not honour would
-be a claim the runtime cannot keep.
+The engine runs its own Megatron-style sharding (``smp2ds.engine.tensor_parallel``): column- and
+row-parallel layers made in place from the model's own modules, with DeepSpeed running data
+parallelism over the reduced-data-parallel group. Two combinations are not implemented and are
+refused (the keymap's reason and ``smp.init``'s message): tensor parallelism with pipeline
+stages, and with sharded data parallelism. The DeepSpeed ``tensor_parallel`` (AutoTP) block
+stays empty: the engine's sharding is not DeepSpeed's AutoTP.
 """
 
 from __future__ import annotations
@@ -12,15 +13,40 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-TP_UNSUPPORTED = (
-    "tensor parallelism is not implemented by smp2ds yet; use tensor_parallel_degree 1 "
-    "(data parallelism, sharded_data_parallel_degree or pipeline_parallel_degree)"
+TP_ENGINE = (
+    "Megatron-style tensor parallelism by the smp2ds engine: modules marked with smp.tensor_parallelism / "
+    "model_creation(tensor_parallelism=True) are sharded in place (column/row-parallel linears, Hugging Face "
+    "blocks by structure, smp.nn.DistributedLinear/DistributedEmbedding); DeepSpeed runs data parallelism over "
+    "the reduced-data-parallel group through an mpu whose model-parallel group is the tensor-parallel group"
 )
-"""Why ``tensor_parallel_degree > 1`` is refused: the keymap's reason and ``smp.init``'s message."""
+TP_WITH_PIPELINE_UNSUPPORTED = (
+    "tensor parallelism combined with pipeline_parallel_degree > 1 is not implemented by smp2ds yet; use "
+    "tensor_parallel_degree 1 with pipelines, or pipeline_parallel_degree 1 with tensor parallelism"
+)
+TP_WITH_SDP_UNSUPPORTED = (
+    "tensor parallelism combined with sharded_data_parallel_degree > 1 is not implemented by smp2ds yet; use "
+    "shard_optimizer_state (ZeRO-1) with tensor parallelism, or tensor_parallel_degree 1 with sharding"
+)
+
+
+def refusal(params: Mapping[str, Any]) -> str | None:
+    """Why this tensor-parallel layout is refused, or None when the engine runs it."""
+    if params.get("tensor_parallel_degree", 1) <= 1:
+        return None
+    if params.get("pipeline_parallel_degree", 1) > 1:
+        return TP_WITH_PIPELINE_UNSUPPORTED
+    if params.get("sharded_data_parallel_degree", 1) > 1:
+        return TP_WITH_SDP_UNSUPPORTED
+    return None
+
+
+def runs(params: Mapping[str, Any]) -> bool:
+    """True when the engine runs tensor parallelism for these parameters."""
+    return params.get("tensor_parallel_degree", 1) > 1 and refusal(params) is None
 
 
 def tensor_parallel_block(params: Mapping[str, Any]) -> dict[str, Any]:
-    """DeepSpeed ``tensor_parallel`` block: empty (the engine does not run tensor parallelism)."""
+    """DeepSpeed ``tensor_parallel`` block: empty (the engine shards; DeepSpeed's AutoTP is not used)."""
     return {}
 
 
@@ -30,8 +56,8 @@ def engine_tensor_parallel(params: Mapping[str, Any], seed: int | None = None) -
     return {
         "enabled": tp > 1,
         "degree": tp,
-        "implementation": None,
-        "unsupported": TP_UNSUPPORTED if tp > 1 else None,
+        "implementation": "smp2ds-megatron" if runs(params) else None,
+        "unsupported": refusal(params),
         "seed": params.get("tensor_parallel_seed", 0) if seed is None else seed,
         "prescaled_batch": bool(params.get("prescaled_batch", False)),
     }

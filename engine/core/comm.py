@@ -113,6 +113,13 @@ def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group: Pr
     return dist.all_gather_into_tensor(output, input_, group=group, async_op=async_op)
 
 
+def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Every member's ``tensor`` (same shape everywhere), indexed by rank within ``group``."""
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
 def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
     """Every member's ``obj``, indexed by rank within ``group``."""
     out: list[Any] = [None] * dist.get_world_size(group)

@@ -51,19 +51,29 @@ def set_partition(module: torch.nn.Module, partition: int, recurse: bool = True)
 
 @contextlib.contextmanager
 def tensor_parallelism(enabled: bool = True, **kwargs: Any) -> Iterator[None]:
-    """Mark modules for tensor parallelism (no effect: tensor parallelism is not implemented)."""
-    yield
+    """Mark modules created inside for tensor parallelism (``smp2ds.engine.tensor_parallel.registry``)."""
+    from smp2ds.engine.tensor_parallel import registry
+
+    with registry.tensor_parallelism(enabled, **kwargs):
+        yield
 
 
 def set_tensor_parallelism(module: torch.nn.Module, enabled: bool = True, **kwargs: Any) -> None:
+    """Mark (or unmark) an existing module tree for tensor parallelism, before ``DistributedModel``."""
     if state.model is not None:
         raise DistributedModelWrappedError("smp.set_tensor_parallelism must come before smp.DistributedModel")
+    from smp2ds.engine.tensor_parallel import registry
+
+    registry.set_tensor_parallelism(module, enabled, **kwargs)
 
 
 def tp_register(dist_module: type, init_hook: Callable | None = None, forward_hook: Callable | None = None,
                 return_hook: Callable | None = None) -> Callable[[type], type]:
-    """Class decorator registering ``dist_module`` as the TP version (recorded, unused)."""
+    """Class decorator registering ``dist_module`` as the tensor-parallel version of the class."""
+    from smp2ds.engine.tensor_parallel import registry
+
     def decorate(cls: type) -> type:
+        registry.register(cls, dist_module, init_hook, forward_hook, return_hook)
         return cls
 
     return decorate
@@ -72,6 +82,10 @@ def tp_register(dist_module: type, init_hook: Callable | None = None, forward_ho
 def tp_register_with_module(module_cls: type, dist_module: type, init_hook: Callable | None = None,
                             forward_hook: Callable | None = None, return_hook: Callable | None = None,
                             translate_functions: tuple[Callable, Callable] | None = None) -> None:
+    """Register ``dist_module`` as the tensor-parallel version of an existing class."""
+    from smp2ds.engine.tensor_parallel import registry
+
+    registry.register(module_cls, dist_module, init_hook, forward_hook, return_hook)
     if translate_functions is not None:
         state.module_manager.translate_functions.append(tuple(translate_functions))
 
@@ -100,7 +114,8 @@ def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None =
     if dtype is not None:
         torch.set_default_dtype(dtype)
     try:
-        with delay_param_initialization(enabled=delayed):
+        with tensor_parallelism(enabled=tensor_parallelism, **tensor_parallel_config), \
+                delay_param_initialization(enabled=delayed):
             yield
     finally:
         torch.set_default_dtype(previous)

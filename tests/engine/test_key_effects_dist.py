@@ -97,9 +97,10 @@ def _init_error(config: dict) -> list:
 
 @pytest.mark.slow
 def test_smp_init_refuses_what_explain_reports_unsupported_with_the_same_reason():
-    from smp2ds.translator.tensor_parallel import TP_UNSUPPORTED
+    from smp2ds.translator.tensor_parallel import TP_WITH_SDP_UNSUPPORTED
 
-    per_rank = run_ranks(_init_error, 2, {"ddp": True, "tensor_parallel_degree": 2, "horovod": False})
+    config = {"ddp": True, "tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "horovod": False}
+    per_rank = run_ranks(_init_error, 2, config)
     for issues in per_rank:
-        assert issues == [("/tensor_parallel_degree", f"tensor_parallel_degree is not supported: {TP_UNSUPPORTED}",
-                           2)]
+        assert issues == [("/tensor_parallel_degree",
+                           f"tensor_parallel_degree is not supported: {TP_WITH_SDP_UNSUPPORTED}", 2)]

@@ -258,10 +258,15 @@ def test_pipeline_and_tensor_parallel_blocks_only_when_used():
         "grad_partitioned",
         "use_reentrant",
     }
-    # No AutoTP block: the engine does not run tensor parallelism, so the plan claims none.
+    # No AutoTP block: the engine shards the model itself, DeepSpeed's AutoTP is not used.
     assert "tensor_parallel" not in both
     tp = notes_by_key(make({"tensor_parallel_degree": 2, "ddp": True}, 2))["tensor_parallel_degree"]
-    assert tp.fate == "unsupported" and "not implemented" in tp.reason
+    assert tp.fate == "engine" and tp.target == "/engine/tensor_parallel/degree"
+    with_pp = notes_by_key(make({"partitions": 2, "tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": True,
+                                 "tensor_parallel_seed": 3}, 4))
+    assert with_pp["tensor_parallel_degree"].fate == "unsupported"
+    assert "pipeline_parallel_degree > 1 is not implemented" in with_pp["tensor_parallel_degree"].reason
+    assert with_pp["prescaled_batch"].fate == with_pp["tensor_parallel_seed"].fate == "ignored"
 
 
 def test_offload_activations_is_run_by_the_engine_with_its_horizon():

@@ -1,0 +1,121 @@
+"""Hugging Face transformer blocks, sharded Megatron-style by structure.
+
+Each rule names, for one block class, the projections that become column-parallel (query, key,
+value, the MLP's up/gate), the row-parallel ones (attention output, MLP down), fused projections
+with their block count (GPT-2's ``c_attn`` holds q, k and v one after the other: 3 blocks;
+GPT-NeoX's ``query_key_value`` is laid out per head: 1 block) and the head-count attributes the
+attention module reads in ``forward``, divided by the degree. The block itself becomes a
+tensor-parallel region (:mod:`region`). Embeddings, final norms and heads stay whole on every rank,
+as SMP's distributed transformer kept them by default (``distribute_embedding: False``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.tensor_parallel.group import TPGroup
+from smp2ds.engine.tensor_parallel.layers import make_column_parallel, make_row_parallel
+from smp2ds.engine.tensor_parallel.region import make_region
+
+
+@dataclass(frozen=True)
+class BlockRule:
+    """How to shard one transformer block class."""
+
+    family: str
+    column: tuple[str, ...]
+    row: tuple[str, ...]
+    heads: tuple[str, ...]
+    """``path.attr`` of per-rank sizes the attention reads (head counts, split sizes); divided by tp."""
+    fused: dict[str, int] = field(default_factory=dict)
+    """Column projections holding several equal blocks (q, k, v) side by side."""
+
+
+_LLAMA = BlockRule("llama", column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                                    "mlp.up_proj"),
+                   row=("self_attn.o_proj", "mlp.down_proj"),
+                   heads=("self_attn.num_heads", "self_attn.num_key_value_heads"))
+_BERT = BlockRule("bert", column=("attention.self.query", "attention.self.key", "attention.self.value",
+                                  "intermediate.dense"),
+                  row=("attention.output.dense", "output.dense"),
+                  heads=("attention.self.num_attention_heads", "attention.self.all_head_size"))
+
+RULES: dict[str, BlockRule] = {
+    "GPT2Block": BlockRule("gpt2", column=("attn.c_attn", "mlp.c_fc"), row=("attn.c_proj", "mlp.c_proj"),
+                           heads=("attn.num_heads", "attn.split_size", "attn.embed_dim"),
+                           fused={"attn.c_attn": 3}),
+    "LlamaDecoderLayer": _LLAMA,
+    "MistralDecoderLayer": BlockRule("mistral", _LLAMA.column, _LLAMA.row, _LLAMA.heads),
+    "BertLayer": _BERT,
+    "RobertaLayer": BlockRule("roberta", _BERT.column, _BERT.row, _BERT.heads),
+    "GPTNeoXLayer": BlockRule("gpt_neox", column=("attention.query_key_value", "mlp.dense_h_to_4h"),
+                              row=("attention.dense", "mlp.dense_4h_to_h"),
+                              heads=("attention.num_attention_heads",)),
+    "GPTJBlock": BlockRule("gptj", column=("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in"),
+                           row=("attn.out_proj", "mlp.fc_out"),
+                           heads=("attn.num_attention_heads", "attn.embed_dim")),
+    "GPTNeoBlock": BlockRule("gpt_neo", column=("attn.attention.q_proj", "attn.attention.k_proj",
+                                                "attn.attention.v_proj", "mlp.c_fc"),
+                             row=("attn.attention.out_proj", "mlp.c_proj"),
+                             heads=("attn.attention.num_heads", "attn.attention.embed_dim")),
+}
+"""Block class name -> rule. Cross-attention blocks are refused (see :func:`shard_block`)."""
+
+
+def blocks(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, BlockRule]]:
+    """Every transformer block of ``model`` a rule covers, with its name."""
+    for name, module in model.named_modules():
+        rule = RULES.get(type(module).__name__)
+        if rule is not None:
+            yield name, module, rule
+
+
+def _counts(config: object) -> list[tuple[str, int]]:
+    out = []
+    for key in ("num_attention_heads", "n_head", "num_heads", "num_key_value_heads"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            out.append((key, value))
+    return out
+
+
+def check_divisible(config: object, tp: int, where: str) -> None:
+    """Refuse a model whose head counts the degree does not divide."""
+    bad = [f"{k}={v}" for k, v in _counts(config) if v % tp]
+    if bad:
+        raise SMPUnsupportedError(f"{where}: tensor_parallel_degree {tp} must divide the attention head counts "
+                                  f"({', '.join(bad)}); choose a degree that divides them")
+
+
+def shard_block(block: torch.nn.Module, rule: BlockRule, tp: TPGroup, name: str) -> None:
+    """Shard one block in place (names kept) and make it a tensor-parallel region."""
+    if hasattr(block, "crossattention"):
+        raise SMPUnsupportedError(f"{name}: tensor parallelism of cross-attention blocks is not implemented")
+    for path in rule.column:
+        make_column_parallel(block.get_submodule(path), tp, blocks=rule.fused.get(path, 1), path=f"{name}.{path}")
+    for path in rule.row:
+        make_row_parallel(block.get_submodule(path), tp, path=f"{name}.{path}")
+    for dotted in rule.heads:
+        owner_path, _, attr = dotted.rpartition(".")
+        owner = block.get_submodule(owner_path)
+        value = getattr(owner, attr, None)
+        if isinstance(value, int):
+            setattr(owner, attr, value // tp.size)
+    make_region(block, tp)
+
+
+def shard_model(model: torch.nn.Module, tp: TPGroup) -> list[str]:
+    """Shard every covered block of a Hugging Face model; returns their names (empty: none found)."""
+    found = list(blocks(model))
+    if not found:
+        return []
+    config = getattr(model, "config", None)
+    if config is not None:
+        check_divisible(config, tp.size, type(model).__name__)
+    for name, block, rule in found:
+        shard_block(block, rule, tp, name)
+    return [name for name, _, _ in found]

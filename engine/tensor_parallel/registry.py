@@ -1,0 +1,234 @@
+"""Which modules become tensor-parallel: marks, registrations and the replacement pass.
+
+* Marks: ``smp.tensor_parallelism(enabled, **kwargs)`` marks every module *created* inside it
+  (nested contexts override), ``smp.set_tensor_parallelism(module, enabled, **kwargs)`` marks an
+  existing tree. ``model_creation(tensor_parallelism=True)`` enters the first.
+* Registrations: ``smp.tp_register`` / ``smp.tp_register_with_module`` name the distributed class
+  for a module class, with SMP's ``init_hook`` / ``forward_hook`` / ``return_hook``; built in:
+  ``nn.Linear`` -> ``smp.nn.DistributedLinear``, ``nn.Embedding`` -> ``smp.nn.DistributedEmbedding``.
+* :func:`apply` (run by ``smp.DistributedModel``): top-down, the outermost marked module wins. A
+  marked Hugging Face model or block with a sharding rule (:mod:`families`) is sharded in place,
+  keeping its weights; a marked module of a registered class is replaced by its distributed
+  class (fresh weights from ``tensor_parallel_seed``, as in SMP), unless it shares a parameter
+  with another module, which stays whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from smp2ds.engine.core import comm
+from smp2ds.engine.tensor_parallel import families
+from smp2ds.engine.tensor_parallel.group import TPGroup
+
+MARK = "_smp2ds_tp_mark"
+INIT_ARGS = "_smp2ds_init_args"
+
+
+@dataclass(frozen=True)
+class Mark:
+    enabled: bool
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Registration:
+    dist_module: type
+    init_hook: Callable | None = None
+    forward_hook: Callable | None = None
+    return_hook: Callable | None = None
+
+
+_REGISTRY: dict[type, Registration] = {}
+_STACK: list[Mark] = []
+_ORIGINAL_INIT: list[Callable] = []
+
+
+# ---- marks ------------------------------------------------------------------------------------
+def _marking_init(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+    _ORIGINAL_INIT[0](self, *args, **kwargs)
+    if _STACK:
+        object.__setattr__(self, MARK, _STACK[-1])
+
+
+@contextlib.contextmanager
+def tensor_parallelism(enabled: bool = True, **kwargs: Any) -> Iterator[None]:
+    """Mark modules created inside for tensor parallelism (innermost context wins)."""
+    if not _STACK:
+        _ORIGINAL_INIT.append(torch.nn.Module.__init__)
+        torch.nn.Module.__init__ = _marking_init  # type: ignore[method-assign]
+    _STACK.append(Mark(bool(enabled), dict(kwargs)))
+    try:
+        yield
+    finally:
+        _STACK.pop()
+        if not _STACK:
+            torch.nn.Module.__init__ = _ORIGINAL_INIT.pop()  # type: ignore[method-assign]
+
+
+def set_tensor_parallelism(module: torch.nn.Module, enabled: bool = True, **kwargs: Any) -> None:
+    """Mark (or unmark) ``module`` and every module below it."""
+    mark = Mark(bool(enabled), dict(kwargs))
+    for m in module.modules():
+        object.__setattr__(m, MARK, mark)
+
+
+def mark_of(module: torch.nn.Module) -> Mark | None:
+    return getattr(module, MARK, None)
+
+
+# ---- registrations ----------------------------------------------------------------------------
+def _record_init_args(cls: type) -> None:
+    """Wrap ``cls.__init__`` so instances remember their constructor arguments (for init_hook)."""
+    original = cls.__dict__.get("__init__")
+    if original is None or getattr(original, "_smp2ds_records", False):
+        return
+
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        object.__setattr__(self, INIT_ARGS, (args, kwargs))
+
+    init._smp2ds_records = True  # type: ignore[attr-defined]
+    cls.__init__ = init  # type: ignore[misc]
+
+
+def register(module_cls: type, dist_module: type, init_hook: Callable | None = None,
+             forward_hook: Callable | None = None, return_hook: Callable | None = None) -> None:
+    """Make ``dist_module`` the tensor-parallel version of ``module_cls``."""
+    if not (isinstance(module_cls, type) and issubclass(module_cls, torch.nn.Module)):
+        raise TypeError(f"tp_register_with_module: module_cls must be an nn.Module class, got {module_cls!r}")
+    if not (isinstance(dist_module, type) and issubclass(dist_module, torch.nn.Module)):
+        raise TypeError(f"tp_register: dist_module must be an nn.Module class (a smp.nn.DistributedModule), "
+                        f"got {dist_module!r}")
+    if module_cls not in (torch.nn.Linear, torch.nn.Embedding):
+        _record_init_args(module_cls)
+    _REGISTRY[module_cls] = Registration(dist_module, init_hook, forward_hook, return_hook)
+
+
+def registration_for(cls: type) -> Registration | None:
+    for klass in cls.__mro__:
+        if klass in _REGISTRY:
+            return _REGISTRY[klass]
+    return None
+
+
+def register_builtins() -> None:
+    """SMP's built-in registrations (real classes from :mod:`modules`)."""
+    from smp2ds.engine.tensor_parallel.modules import DistributedEmbedding, DistributedLinear
+
+    _REGISTRY.setdefault(torch.nn.Linear, Registration(DistributedLinear))
+    _REGISTRY.setdefault(torch.nn.Embedding, Registration(DistributedEmbedding))
+
+
+def _builtin_args(module: torch.nn.Module) -> tuple[tuple, dict]:
+    if isinstance(module, torch.nn.Linear):
+        return (module.in_features, module.out_features), {"bias": module.bias is not None}
+    if isinstance(module, torch.nn.Embedding):
+        return (module.num_embeddings, module.embedding_dim), {
+            "padding_idx": module.padding_idx, "max_norm": module.max_norm, "norm_type": module.norm_type,
+            "scale_grad_by_freq": module.scale_grad_by_freq, "sparse": module.sparse}
+    return getattr(module, INIT_ARGS, ((), {}))
+
+
+# ---- the replacement pass ---------------------------------------------------------------------
+@dataclass
+class Report:
+    """What :func:`apply` did (also kept on the model as ``_smp2ds_tp_report``)."""
+
+    sharded_blocks: list[str] = field(default_factory=list)
+    replaced: dict[str, str] = field(default_factory=dict)
+    kept_shared: list[str] = field(default_factory=list)
+
+
+def sync_replicas(module: torch.nn.Module, tp: TPGroup) -> None:
+    """Make every tensor-parallel rank start from the same weights (tp rank 0's): DeepSpeed only
+    broadcasts inside the data-parallel (rdp) group."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            comm.broadcast(t.data, tp.src, group=tp.handle)
+
+
+def _shared_params(root: torch.nn.Module) -> set[int]:
+    owners: Counter[int] = Counter()
+    for m in root.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] += 1
+    return {pid for pid, count in owners.items() if count > 1}
+
+
+def _replace(module: torch.nn.Module, reg: Registration, kwargs: dict[str, Any]) -> torch.nn.Module:
+    args, init_kwargs = _builtin_args(module)
+    if reg.init_hook is not None:
+        args, init_kwargs = reg.init_hook(*args, **init_kwargs)
+    weight = next(module.parameters(), None)
+    new = reg.dist_module(*args, **{**init_kwargs, **_accepted(reg.dist_module, kwargs)})
+    if weight is not None:
+        new.to(device=weight.device, dtype=weight.dtype)
+    new.train(module.training)
+    if reg.forward_hook is not None:
+        object.__setattr__(new, "_smp2ds_forward_hook", reg.forward_hook)
+    if reg.return_hook is not None:
+        object.__setattr__(new, "_smp2ds_return_hook", reg.return_hook)
+    return new
+
+
+def _accepted(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The marking context's keyword arguments the distributed class's constructor takes."""
+    import inspect
+
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def apply(root: torch.nn.Module, tp: TPGroup) -> Report:
+    """Shard or replace the marked modules of ``root`` in place (see the module docstring)."""
+    register_builtins()
+    report = Report()
+    marked = [m for m in root.modules() if (mark_of(m) or Mark(False)).enabled]
+    if not marked:
+        return report
+    sync_replicas(root, tp)
+    shared = _shared_params(root)
+
+    def visit(module: torch.nn.Module, prefix: str) -> None:
+        mark = mark_of(module)
+        if mark is not None and mark.enabled and list(families.blocks(module)):
+            report.sharded_blocks += [f"{prefix}{n}".rstrip(".") for n in families.shard_model(module, tp)]
+            return
+        for name, child in list(module.named_children()):
+            path = f"{prefix}{name}"
+            child_mark = mark_of(child)
+            reg = registration_for(type(child))
+            if (child_mark is not None and child_mark.enabled and reg is not None
+                    and not list(families.blocks(child))):
+                if any(id(p) in shared for p in child.parameters()):
+                    report.kept_shared.append(path)
+                    warnings.warn(f"{path} shares a parameter with another module; it is not distributed "
+                                  "(SMP's rule)", stacklevel=4)
+                    continue
+                if reg.dist_module.__dict__.get("can_distribute") is not None and not \
+                        reg.dist_module.can_distribute(*_builtin_args(child)[0], **_builtin_args(child)[1]):
+                    visit(child, path + ".")
+                    continue
+                setattr(module, name, _replace(child, reg, child_mark.kwargs))
+                report.replaced[path] = type(getattr(module, name)).__name__
+                continue
+            visit(child, path + ".")
+
+    visit(root, "")
+    object.__setattr__(root, "_smp2ds_tp_report", report)
+    return report

@@ -1,0 +1,114 @@
+"""Tensor parallelism on real processes (gloo) equals single-process training.
+
+One launch per layout checks several models (``smp.reset()`` between them): losses per rank and
+step, gradient norms of clipping that clips, final weights (fp32, rtol 1e-4), the fraction of every
+sharded weight each rank holds, the shard shapes of ``local_state_dict()``, and the fresh weights
+``tensor_parallel_seed`` gives ``smp.nn`` modules. Layouts: tp 2 on 2 ranks (prescaled_batch false,
+micro-batches 2) and tp 2 x rdp 2 on 4 ranks with prescaled_batch true and false (placement
+``spread``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from tests.engine import tp_workers as tw
+
+B = 4  # per-rank batch, split into 2 micro-batches where configured
+
+RUNS = {
+    # id: (world, smp config, phases)
+    "tp2-mb2": (2, {"ddp": True, "tensor_parallel_degree": 2, "microbatches": 2, "tensor_parallel_seed": 7}, [
+        {"model": "gpt2", "optimizer": "adamw", "seed": 1, "steps": 3, "clip": 0.5},
+        {"model": "mlp", "optimizer": "sgd", "seed": 2, "steps": 3, "clip": 0.2},
+        {"model": "llama", "optimizer": "sgd", "seed": 3, "steps": 2},
+        {"model": "bert", "optimizer": "adamw", "seed": 4, "steps": 2},
+        {"model": "gpt_neox", "optimizer": "sgd", "seed": 5, "steps": 2},
+    ]),
+    "tp2-rdp2-prescaled": (4, {"ddp": True, "tensor_parallel_degree": 2, "prescaled_batch": True,
+                               "microbatches": 2}, [
+        {"model": "gpt2", "optimizer": "sgd", "seed": 6, "steps": 3, "clip": 0.5},
+        {"model": "mlp", "optimizer": "adamw", "seed": 7, "steps": 2},
+    ]),
+    "tp2-rdp2-spread": (4, {"ddp": True, "tensor_parallel_degree": 2, "placement_strategy": "spread"}, [
+        {"model": "gpt2", "optimizer": "adamw", "seed": 8, "steps": 2},
+        {"model": "llama", "optimizer": "sgd", "seed": 9, "steps": 2, "clip": 0.5},
+    ]),
+}
+
+
+def _close(got, want, what: str) -> None:
+    torch.testing.assert_close(torch.as_tensor(got).float(), torch.as_tensor(want).float(), rtol=1e-4, atol=1e-5,
+                               msg=what)
+
+
+def _check_phase(rank: int, tp: int, phase: dict, got: dict, ref: dict) -> None:
+    what = f"rank {rank} {phase['model']} {phase['optimizer']}"
+    _close(got["losses"], [step[got["data_rank"]] for step in ref["losses"]], f"{what}: losses")
+    if phase.get("clip"):
+        _close(got["norms"], ref["norms"], f"{what}: gradient norms")
+        assert max(ref["norms"]) > phase["clip"], "the test's clipping must clip"
+    assert sorted(got["weights"]) == sorted(ref["weights"])
+    for key, value in ref["weights"].items():
+        _close(got["weights"][key], value, f"{what}: weight {key}")
+    sharded = {n: (local, full) for n, (local, full) in got["shards"].items() if local != full}
+    assert sharded, f"{what}: nothing was sharded"
+    for name, (local, full) in sharded.items():
+        assert local * tp == full, f"{what}: {name} holds {local} of {full} elements, not 1/{tp}"
+        assert math.prod(got["local"][name].shape) == local, f"{what}: local_state_dict()[{name!r}] is not the shard"
+
+
+def _check_run(run_id: str, per_rank: list) -> None:
+    world, config, phases = RUNS[run_id]
+    tp = config["tensor_parallel_degree"]
+    for p, phase in enumerate(phases):
+        ref = tw.reference(phase, per_rank[0][p]["data_ranks"], B)
+        for rank, results in enumerate(per_rank):
+            _check_phase(rank, tp, phase, results[p], ref)
+
+
+@pytest.mark.slow
+def test_tp2_trains_hugging_face_families_and_an_smp_mlp_like_single_process():
+    per_rank = run_ranks(tw.run_tensor_parallel, 2, RUNS["tp2-mb2"][1], RUNS["tp2-mb2"][2], B)
+    _check_run("tp2-mb2", per_rank)
+    ranks = [r[-1]["ranks"] for r in per_rank]
+    assert [r["tp"] for r in ranks] == [[0, 2], [1, 2]] or [tuple(r["tp"]) for r in ranks] == [(0, 2), (1, 2)]
+    assert all(tuple(r["rdp"])[1] == 1 and tuple(r["dp"])[1] == 2 for r in ranks)
+    gpt2 = per_rank[0][0]["report"]
+    assert gpt2["sharded_blocks"] == ["transformer.h.0", "transformer.h.1"]
+    mlp = per_rank[0][1]["report"]
+    assert mlp["replaced"] == {"emb": "DistributedEmbedding", "up": "DistributedLinear",
+                               "down": "DistributedLinear", "head": "DistributedLinear"}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_seed_decides_the_fresh_weights_of_distributed_modules():
+    """Evidence for tensor_parallel_seed (the tp2-mb2 run's MLP phase, seed 7): every rank sees
+    the same full fresh weights, drawn from seed 7 + the module's index in creation order."""
+    per_rank = run_ranks(tw.run_tensor_parallel, 2, RUNS["tp2-mb2"][1], [RUNS["tp2-mb2"][2][1]], B)
+    seed = RUNS["tp2-mb2"][1]["tensor_parallel_seed"]
+    expected = tw.fresh_mlp_weights(seed)
+    for results in per_rank:
+        fresh = results[0]["fresh"]
+        for key, value in expected.items():
+            _close(fresh[key], value, f"fresh {key}")
+    other = tw.fresh_mlp_weights(seed + 100)
+    assert not torch.allclose(torch.as_tensor(per_rank[0][0]["fresh"]["up.weight"]), other["up.weight"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run_id", ["tp2-rdp2-prescaled", "tp2-rdp2-spread"])
+def test_tp2_rdp2_on_four_ranks_matches_single_process(run_id):
+    world, config, phases = RUNS[run_id]
+    per_rank = run_ranks(tw.run_tensor_parallel, world, config, phases, B)
+    _check_run(run_id, per_rank)
+    groups = [r[-1]["ranks"] for r in per_rank]
+    if config.get("placement_strategy") == "spread":  # TPD: D varies fastest
+        assert [list(g["tp_group"]) for g in groups] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    else:
+        assert [list(g["tp_group"]) for g in groups] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(tuple(g["rdp"])[1] == 2 and tuple(g["dp"])[1] == 4 for g in groups)

@@ -1,0 +1,182 @@
+"""Rank bodies and single-process references for the tensor-parallel tests.
+
+Models: a tiny GPT-2 / LLaMA / BERT built inside ``smp.model_creation(tensor_parallelism=True)``
+(Hugging Face blocks sharded in place, weights kept: every rank builds them from the same seed), and
+an MLP built inside ``smp.tensor_parallelism()`` (its ``nn.Linear`` layers become
+``smp.nn.DistributedLinear`` with fresh weights; the run then loads the reference's full state dict,
+which the engine cuts into shards).
+
+Data: ``prescaled_batch`` false: every rank of SMP's data-parallel group (tp x rdp ranks) takes rows
+``[dp_rank*b, (dp_rank+1)*b)`` of the step's global batch. True: the tensor-parallel group shares
+rows ``[rdp_rank*b, ...)``. The reference trains on the union (mean over the ranks' losses).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tests.engine.train_workers import plain
+
+VOCAB, SEQ = 64, 8
+
+
+def hf_model(family: str, seed: int) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        cfg = tf.GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)
+        cls = tf.GPT2LMHeadModel
+    elif family == "llama":
+        cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32)
+        cls = tf.LlamaForCausalLM
+    elif family == "bert":
+        cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                            vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)
+        cls = tf.BertForMaskedLM
+    elif family == "gpt_neox":
+        cfg = tf.GPTNeoXConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                               vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout=0.0,
+                               attention_dropout=0.0)
+        cls = tf.GPTNeoXForCausalLM
+    else:
+        raise ValueError(family)
+    cfg._attn_implementation = "eager"
+    return cls(cfg)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.emb(ids) + self.down(torch.tanh(self.up(self.emb(ids)))))
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def plain_model(kind: str, seed: int) -> torch.nn.Module:
+    if kind == "mlp":
+        torch.manual_seed(seed)
+        return MLP()
+    return hf_model(kind, seed)
+
+
+def loss_of(kind: str, model: Any, ids: torch.Tensor) -> torch.Tensor:
+    if kind == "mlp":
+        return model(ids, ids.roll(1, dims=1))
+    return model(input_ids=ids, labels=ids).loss
+
+
+def global_ids(step: int, rows: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+
+
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01, eps=1e-6)
+
+
+def reference(phase: dict, data_ranks: int, b: int) -> dict:
+    """Single-process training on the union of the data-parallel ranks' batches."""
+    kind = phase["model"]
+    model = plain_model(kind, phase["seed"])
+    opt = make_optimizer(phase["optimizer"], model.parameters())
+    losses, norms = [], []
+    for step in range(phase["steps"]):
+        ids = global_ids(step, data_ranks * b)
+        per_rank = [loss_of(kind, model, ids[r * b:(r + 1) * b]) for r in range(data_ranks)]
+        losses.append([x.item() for x in per_rank])
+        torch.stack(per_rank).mean().backward()
+        if phase.get("clip"):
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), phase["clip"])))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _train(smp: Any, phase: dict, b: int) -> dict:
+    kind = phase["model"]
+    prescaled = bool(smp.state.cfg.prescaled_batch)
+    if kind == "mlp":
+        with smp.tensor_parallelism():
+            net = MLP()
+    else:
+        with smp.model_creation(tensor_parallelism=True):
+            net = hf_model(kind, phase["seed"])
+    model = smp.DistributedModel(net)
+    out: dict[str, Any] = {"report": dict(vars(net._smp2ds_tp_report))}
+    if kind == "mlp":
+        out["fresh"] = model.state_dict()  # seeded from tensor_parallel_seed, identical on all ranks
+        model.load_state_dict(plain_model(kind, phase["seed"]).state_dict())
+    full = model.state_dict()
+    out["shards"] = {n: (p.numel(), full[n].numel()) for n, p in model.named_parameters()}
+    opt = smp.DistributedOptimizer(make_optimizer(phase["optimizer"], model.parameters()))
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(kind, model, ids)
+        model.backward(loss)
+        return loss
+
+    data_rank, data_ranks = (smp.rdp_rank(), smp.rdp_size()) if prescaled else (smp.dp_rank(), smp.dp_size())
+    out["losses"], out["norms"] = [], []
+    for step in range(phase["steps"]):
+        ids = global_ids(step, data_ranks * b)[data_rank * b:(data_rank + 1) * b]
+        out["losses"].append(train_step(model, ids).reduce_mean().item())
+        if phase.get("clip"):
+            out["norms"].append(float(opt.clip_master_grads(phase["clip"])))
+        opt.step()
+        opt.zero_grad()
+    out["weights"] = model.state_dict()
+    out["local"] = model.local_state_dict()
+    out["data_rank"], out["data_ranks"] = data_rank, data_ranks
+    return out
+
+
+def run_tensor_parallel(config: dict, phases: list[dict], b: int) -> list[dict]:
+    """Initialise SMP once and train one fresh model per phase."""
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(config)
+    results = []
+    for phase in phases:
+        smp.reset()
+        results.append(_train(smp, phase, b))
+    results.append({"ranks": {"tp": (smp.tp_rank(), smp.tp_size()), "rdp": (smp.rdp_rank(), smp.rdp_size()),
+                              "dp": (smp.dp_rank(), smp.dp_size()), "tp_group": smp.get_tp_group(),
+                              "rdp_group": smp.get_rdp_group()}})
+    smp.barrier()
+    return plain(results)
+
+
+def fresh_mlp_weights(seed: int) -> dict[str, torch.Tensor]:
+    """The full weights smp.nn gives the MLP's replaced modules (creation order: emb, up, down, head)."""
+    import math as _math
+
+    out: dict[str, torch.Tensor] = {}
+    for k, (name, shape) in enumerate([("emb", (VOCAB, 16)), ("up", (32, 16)), ("down", (16, 32)),
+                                       ("head", (VOCAB, 16))]):
+        gen = torch.Generator().manual_seed(seed + k)
+        w = torch.empty(shape)
+        if name == "emb":
+            torch.nn.init.normal_(w, std=0.02, generator=gen)
+        else:
+            torch.nn.init.kaiming_uniform_(w, a=_math.sqrt(5), generator=gen)
+            bias = torch.empty(shape[0])
+            torch.nn.init.uniform_(bias, -1 / _math.sqrt(shape[1]), 1 / _math.sqrt(shape[1]), generator=gen)
+            out[f"{name}.bias"] = bias
+        out[f"{name}.weight"] = w
+    return out
