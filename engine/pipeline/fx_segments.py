@@ -83,13 +83,24 @@ class TracedLayer(nn.Module):
         values = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         out = self.graph_module(*values)
         if self.final:
-            return out
+            return self._anchor_final(values, out) if torch.is_grad_enabled() else out
         out = tuple(out)
         for name, value in zip(self.output_names, out):
             if not isinstance(value, torch.Tensor):
                 raise SegmentError(f"value {name!r} crosses from one pipeline layer to a later one but is a "
                                    f"{type(value).__name__}, not a tensor")
         return self._anchor(values, out) if torch.is_grad_enabled() else out
+
+    @classmethod
+    def _anchor_final(cls, inputs: tuple, out: Any) -> Any:
+        """The model's output with the anchor on its first tensor (or tuple/list/dict entry)."""
+        if isinstance(out, torch.Tensor):
+            return cls._anchor(inputs, (out,))[0]
+        if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
+            return type(out)(cls._anchor(inputs, tuple(out)))
+        if type(out) is dict and all(isinstance(t, torch.Tensor) for t in out.values()):
+            return dict(zip(out, cls._anchor(inputs, tuple(out.values()))))
+        return out
 
     @staticmethod
     def _anchor(inputs: tuple, out: tuple) -> tuple:
@@ -246,7 +257,7 @@ class _Resolver:
         if node.op == "get_attr":
             holder, value = self.attribute(str(node.target))
             if holder is not None and isinstance(value, torch.Tensor):
-                return [(str(node.target).rpartition(".")[0] or type(self.model).__name__, holder)]
+                return [(str(node.target), holder)]
         return []
 
 

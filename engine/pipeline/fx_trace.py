@@ -4,10 +4,11 @@
 modules (``nn.Linear``, ``nn.Conv2d``...), reads of parameters and buffers, and the operations
 between them; custom modules (``GroupedNet`` -> ``net1`` -> ``net2``) are traced through.
 
-Arguments with a default are first traced as inputs; if the forward branches on them in Python
-(``if mask is not None:``), tracing is repeated with those arguments fixed to their defaults,
-and a call that passes another value is refused later (`TracedModel.fixed`). When tracing
-fails, `TraceFailure` names the module whose code could not be traced and the construct.
+Arguments without a default are the graph's inputs (tensors at call time); arguments with a
+default are traced at that default (``mask=None`` takes the ``if mask is not None:`` branch a
+call without it takes), and a call that passes another value is refused (`TracedModel.fixed`).
+When tracing fails, `TraceFailure` names the module whose code could not be traced and the
+construct.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class TracedModel:
     inputs: tuple[str, ...]
     """Names of the forward's arguments that are graph inputs, in graph order."""
     fixed: dict[str, Any]
-    """Arguments fixed to their default value while tracing (name -> value)."""
+    """Arguments traced at their default value (name -> value)."""
     signature: inspect.Signature
     """Of ``model.forward`` (without ``self``), to bind a call's arguments."""
 
@@ -69,18 +70,14 @@ def trace_model(model: nn.Module) -> TracedModel:
     if variadic:
         raise TraceFailure(type(model).__name__, f"forward takes *{variadic[0]}; a traced pipeline needs named "
                                                  "arguments")
-    defaults = {p.name: p.default for p in signature.parameters.values() if p.default is not inspect.Parameter.empty}
+    # Arguments with a default are traced at that default: fx cannot see through ``if mask is
+    # not None:`` (a traced value is never None), and non-tensor values cannot be graph inputs.
+    fixed = {p.name: p.default for p in signature.parameters.values() if p.default is not inspect.Parameter.empty}
     try:
-        graph, tracer = _trace(model, None)
-        fixed: dict[str, Any] = {}
-    except Exception as first:  # noqa: BLE001 - fx raises many types; retried, then reported
-        if not defaults:
-            raise _failure(model, first) from first
-        try:
-            graph, tracer = _trace(model, defaults)
-        except Exception as second:  # noqa: BLE001
-            raise _failure(model, second) from second
-        fixed = dict(defaults)
+        graph, tracer = _trace(model, fixed or None)
+    except Exception as exc:  # noqa: BLE001 - fx raises many types; all are reported the same way
+        raise _failure(model, exc) from exc
+    if fixed:
         _drop_fixed_inputs(graph, fixed)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     inputs = tuple(str(n.target) for n in graph.nodes if n.op == "placeholder")

@@ -46,9 +46,9 @@ class TracedAdapter:
         for name, default in self.fixed.items():
             if name in given and not _same(given[name], default):
                 raise UnsupportedModelError(
-                    f"{self.model_name}.forward was traced for the pipeline with {name}={default!r} (its default: "
-                    f"the forward branches on it in Python), but this call passes {name}="
-                    f"{_describe(given[name])}; call it with the default, or {MANUAL_ROUTE}")
+                    f"{self.model_name}.forward was traced for the pipeline with {name}={default!r} (arguments "
+                    f"with a default are traced at their default), but this call passes {name}="
+                    f"{_describe(given[name])}; to pass {name}, give it no default in forward, or {MANUAL_ROUTE}")
         bound.apply_defaults()
         values = []
         for name in self.inputs:
