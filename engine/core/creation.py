@@ -14,8 +14,13 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.core import creation_args
 from smp2ds.engine.core.state import state
-from smp2ds.engine.exceptions import DistributedModelWrappedError, InvalidPartitionIDError, StepFunctionCalledError
+from smp2ds.engine.exceptions import (
+    DistributedModelWrappedError,
+    InvalidPartitionIDError,
+    StepFunctionCalledError,
+)
 
 
 def _manual() -> Any:
@@ -94,31 +99,65 @@ def tp_register_with_module(module_cls: type, dist_module: type, init_hook: Call
 def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
     """Create parameters already sharded over the MiCS shard group (sharded data parallelism);
     without sharded data parallelism parameters are small enough to create normally."""
-    if enabled and state.initialized and state.mics_groups is not None:
-        from smp2ds.engine import mics
-        from smp2ds.engine.core.deepspeed_config import engine_config
+    with _sharded_creation(enabled):
+        yield
 
-        ds = engine_config(state.plan.deepspeed, microbatches=int(state.cfg.microbatches))
-        with mics.mics_init_context(ds, state.mics_groups):
-            yield
+
+@contextlib.contextmanager
+def _sharded_creation(enabled: bool) -> Iterator[None]:
+    """Parameters created inside are born partitioned over the shard group (only under sdp)."""
+    if not (enabled and state.initialized and state.mics_groups is not None):
+        yield
         return
-    yield
+    from smp2ds.engine import mics
+    from smp2ds.engine.core.deepspeed_config import engine_config
+
+    ds = engine_config(state.plan.deepspeed, microbatches=int(state.cfg.microbatches))
+    with mics.mics_init_context(ds, state.mics_groups):
+        yield
 
 
 @contextlib.contextmanager
 def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None = None,
-                   **tensor_parallel_config: Any) -> Iterator[None]:
-    """SMP 1.10+: TP marking + delayed init (per config) + a temporary default dtype."""
+                   zero_init: bool | None = None, **tensor_parallel_config: Any) -> Iterator[None]:
+    """SMP 1.10+: build the model inside; modules are created as SMP would create them.
+
+    * ``tensor_parallelism`` / ``**tensor_parallel_config``: ``smp.tensor_parallelism(enabled, **config)``
+      around the creation (the keys configure the distributed modules; unknown keys are refused);
+    * ``zero_init``: under sharded data parallelism, create parameters already partitioned over the
+      shard group (``p.ds_tensor`` exists right away). ``None`` follows
+      ``delayed_parameter_initialization``; ``False`` creates them whole (DeepSpeed partitions them
+      when ``smp.DistributedOptimizer`` builds the engine). Without sdp there is nothing to
+      partition over and it has no effect, as in SMP;
+    * ``dtype``: the default dtype while creating (restored afterwards). Partitioned creation makes
+      parameters in the training precision (DeepSpeed's rule), so there a different dtype is refused.
+    """
+    creation_args.check(tensor_parallelism, dtype, zero_init, tensor_parallel_config)
+    partition = _partition_at_creation(zero_init)
+    if partition and dtype is not None:
+        creation_args.check_partitioned_dtype(dtype, state.plan.deepspeed)
     previous = torch.get_default_dtype()
-    delayed = bool(state.initialized and state.cfg.delayed_parameter_initialization)
     if dtype is not None:
         torch.set_default_dtype(dtype)
     try:
-        with tensor_parallelism(enabled=tensor_parallelism, **tensor_parallel_config), \
-                delay_param_initialization(enabled=delayed):
+        marking = tensor_parallelism_marking(bool(tensor_parallelism), tensor_parallel_config)
+        with marking, _sharded_creation(partition):
             yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def tensor_parallelism_marking(enabled: bool, config: dict[str, Any]) -> contextlib.AbstractContextManager:
+    """The tensor-parallel part of ``model_creation``: SMP's ``tensor_parallelism(enabled, **config)``."""
+    return tensor_parallelism(enabled, **config)
+
+
+def _partition_at_creation(zero_init: bool | None) -> bool:
+    if not (state.initialized and state.mics_groups is not None):
+        return False
+    if zero_init is None:
+        return bool(state.cfg.delayed_parameter_initialization)
+    return bool(zero_init)
 
 
 def is_tracing() -> bool:

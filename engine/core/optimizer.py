@@ -8,6 +8,7 @@ builds its scheduler on it under fp16). Creating it builds the DeepSpeed engine.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -80,6 +81,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for name in _HOOK_DICTS:
             setattr(self, name, OrderedDict())
         self._model = model
+        self._steps_taken = 0
+        self._group_params = [list(g["params"]) for g in optimizer.param_groups]  # before DeepSpeed swaps them
         self.loss_scale_args = LossScaleArgs(static_loss_scale, bool(dynamic_loss_scale), dynamic_loss_args)
         model.backend.build(optimizer, self.loss_scale_args)
         state.optimizer = self
@@ -121,22 +124,91 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise SMPUnsupportedError("DistributedOptimizer.step does not take a closure (as in SMP)")
         self._model._optimizer_stepped()
         self.backend.optimizer_step()
+        self._steps_taken += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.backend.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise SMPUnsupportedError(
-            "parameter groups cannot be added after DistributedOptimizer is created: "
-            "DeepSpeed has already partitioned/flattened them"
-        )
+        """Add a group of the model's parameters (e.g. unfreezing layers while fine-tuning).
 
-    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        Where DeepSpeed steps the script's optimizer itself (fp32, no optimizer-state sharding),
+        the group is added there and takes part from the next step. Where DeepSpeed keeps its own
+        flattened/partitioned copies (ZeRO, fp16/bf16 masters), the engine is rebuilt around the
+        optimizer, which is only possible before the first ``step()`` (afterwards the optimizer
+        state lives in those copies): later calls are refused.
+        """
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        if params is None:
+            raise SMPInvalidArgumentError(f"add_param_group needs a dict with 'params', got {param_group!r}")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        own = {id(p) for p in self._model.parameters()}
+        foreign = sum(1 for p in params if id(p) not in own)
+        if foreign:
+            raise SMPInvalidArgumentError(
+                f"add_param_group: {foreign} parameter(s) of the group do not belong to the DistributedModel")
+        if self.ds_optimizer is self.optimizer:
+            self.optimizer.add_param_group(param_group)
+            return
+        if self._steps_taken:
+            raise SMPUnsupportedError(
+                f"add_param_group after the first optimizer.step() with {self.backend.name} "
+                f"(zero stage {self.backend.zero_stage}, {self.backend.precision}): DeepSpeed holds the optimizer "
+                "state in flattened partitions built from the old groups; add every group before the first step")
+        if int(state.cfg.pipeline_parallel_degree) > 1:
+            raise SMPUnsupportedError("add_param_group with pipeline parallelism: the pipeline engine is built "
+                                      "around the optimizer's groups; create the optimizer with every group")
+        self.backend.rebuild(self.optimizer, self.loss_scale_args, lambda: self._regroup(param_group))
+
+    def _regroup(self, param_group: dict[str, Any]) -> None:
+        # DeepSpeed replaced the groups' parameters with its own flat copies; give them back the
+        # model's parameters and add the group, for DeepSpeed to flatten everything again.
+        for group, params in zip(self.optimizer.param_groups, self._group_params, strict=True):
+            group["params"] = list(params)
+        self.optimizer.state.clear()  # no step yet: nothing to keep
+        self.optimizer.add_param_group(param_group)
+        self._group_params = [list(g["params"]) for g in self.optimizer.param_groups]
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> torch.Tensor | None:
         """Clip the synchronised gradients at ``max_norm`` in the coming step; returns the total norm
-        before clipping (``inf`` on fp16 overflow). Hugging Face logs the returned value."""
+        before clipping (``inf`` on fp16 overflow). Hugging Face logs the returned value.
+
+        With sharded data parallelism it does nothing and returns None, as in SMP: DeepSpeed clips
+        inside the step at ``sdp_gradient_clipping``.
+        """
+        if state.mics_groups is not None:
+            self._warn_sdp_clip(float(max_norm))
+            return None
         norm = self.backend.grad_norm(norm_type)
         self.backend.clip_for_next_step(float(max_norm), norm)
         return norm
+
+    def _warn_sdp_clip(self, max_norm: float) -> None:
+        configured = float((self.backend.ds_config or {}).get("gradient_clipping", 0.0))
+        if max_norm != configured and not self.__dict__.get("_sdp_clip_warned"):
+            self._sdp_clip_warned = True
+            warnings.warn(f"clip_master_grads({max_norm}) has no effect with sharded data parallelism (as in SMP): "
+                          f"gradients are clipped at sdp_gradient_clipping = {configured}", stacklevel=3)
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes this wrapper lacks come from DeepSpeed's optimizer (SMP returned DeepSpeed's ZeRO
+        optimizer under sharded data parallelism: ``fp32_partitioned_groups_flat``,
+        ``_global_grad_norm``, ...), then from the script's optimizer (SMP patched that one in place)."""
+        if name.startswith("__") or name in ("optimizer", "_model"):
+            raise AttributeError(name)
+        targets = []
+        model = self.__dict__.get("_model")
+        if model is not None and model.backend.ds_optimizer is not None:
+            targets.append(model.backend.ds_optimizer)
+        if "optimizer" in self.__dict__:
+            targets.append(self.__dict__["optimizer"])
+        for target in targets:
+            try:
+                return getattr(target, name)
+            except AttributeError:
+                continue
+        raise AttributeError(f"'DistributedOptimizer' object (nor the optimizers it wraps: "
+                             f"{', '.join(type(t).__name__ for t in targets)}) has no attribute {name!r}")
 
     @property
     def overflow(self) -> bool:

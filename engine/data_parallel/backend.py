@@ -98,6 +98,17 @@ class DataParallelBackend:
         if self.has_optimizer:
             self.engine.set_gradient_accumulation_boundary(False)
 
+    def rebuild(self, optimizer: torch.optim.Optimizer, loss_scale: dsc.LossScaleArgs | None,
+                regroup: Callable[[], None]) -> None:
+        """Destroy the engine, let ``regroup()`` change the optimizer's parameter groups (before any
+        step), and build the engine again around the optimizer."""
+        if self.engine is not None:
+            self.engine.destroy()
+            self.engine = None
+        regroup()
+        self.has_optimizer = False
+        self.build(optimizer, loss_scale)
+
     def ensure_built(self) -> None:
         if self.engine is None:
             self.build(None)

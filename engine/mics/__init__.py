@@ -28,7 +28,9 @@ Public surface (for the engine core; all collective calls must run on every rank
 ``mics_init_context(ds_config, groups)``
     Context manager: parameters created inside are born partitioned over the shard group
     (``deepspeed.zero.Init``); for ``delayed_parameter_initialization``,
-    ``smp.delay_param_initialization()`` and ``smp.model_creation()``.
+    ``smp.delay_param_initialization()`` and ``smp.model_creation()``. Lazily imported modules
+    (``torch._dynamo``, Hugging Face model code) work inside it, and Hugging Face's
+    ``_init_weights`` runs on gathered parameters, so a seeded model gets the eager weights.
 ``initialize(model, optimizer, ds_config, groups, hierarchical=None, lr_scheduler=None) -> (engine, optimizer)``
     ``deepspeed.initialize`` with the shard-group mpu; replicas start identical; the optimizer's
     ``step`` carries the replica all-reduce (``optimizer.mics_replica_syncs`` counts it);
@@ -60,12 +62,12 @@ from smp2ds.engine.mics.allgather import (
 from smp2ds.engine.mics.gradsync import DeepSpeedInternalsChanged, check_stage3_internals, replica_allreduce
 from smp2ds.engine.mics.layout import HierarchicalPlan, MicsLayout, plan_hierarchical, ranks_per_node_from_env
 from smp2ds.engine.mics.mpu import ShardGroupMPU
+from smp2ds.engine.mics.param_creation import import_lazy_modules, mics_init_context
 from smp2ds.engine.mics.shard_groups import MicsGroups
 from smp2ds.engine.mics.zero3 import (
     full_state_dict,
     initialize,
     load_full_state_dict,
-    mics_init_context,
     partition_stats,
     shard_ds_config,
     sync_replicas,
@@ -80,6 +82,7 @@ __all__ = [
     "check_stage3_internals",
     "full_state_dict",
     "hierarchical_all_gather",
+    "import_lazy_modules",
     "initialize",
     "install_hierarchical_allgather",
     "load_full_state_dict",

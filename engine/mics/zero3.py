@@ -1,10 +1,11 @@
-"""MiCS on DeepSpeed ZeRO-3: config adaptation, parameter creation, engine set-up, state access."""
+"""MiCS on DeepSpeed ZeRO-3: config adaptation, engine set-up, state access.
+
+Parameter creation under ``zero.Init`` lives in ``param_creation``."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -38,51 +39,6 @@ def shard_ds_config(ds_config: Mapping[str, Any], groups: MicsGroups) -> dict:
                              f"R = dp / sharded_data_parallel_degree = {groups.replicas}")
         cfg["train_batch_size"] = total // groups.replicas
     return cfg
-
-
-@contextlib.contextmanager
-def mics_init_context(ds_config: Mapping[str, Any], groups: MicsGroups, enabled: bool = True) -> Iterator[None]:
-    """Create parameters already partitioned over the shard group (``delayed_parameter_initialization``).
-
-    Wraps ``deepspeed.zero.Init(data_parallel_group=shard_group, config_dict_or_path=...)``; use it
-    around model construction (``smp.delay_param_initialization()`` / ``smp.model_creation()``).
-    Replicas are made identical later, in ``initialize``.
-    """
-    import deepspeed
-
-    cfg = shard_ds_config(ds_config, groups)
-    with _group_local_broadcast_src(), deepspeed.zero.Init(data_parallel_group=groups.shard_group,
-                                                           config_dict_or_path=cfg, mpu=ShardGroupMPU(groups),
-                                                           enabled=enabled):
-        yield
-
-
-@contextlib.contextmanager
-def _group_local_broadcast_src() -> Iterator[None]:
-    """Make DeepSpeed's ``module.apply`` re-broadcast work for shard groups without global rank 0.
-
-    Under ``zero.Init`` DeepSpeed wraps ``Module.apply`` and re-broadcasts each parameter with
-    ``dist.broadcast(t, 0, group=param.ds_process_group)`` (partition_parameters.py, 0.19.8): src 0
-    is a *global* rank, which is not in shard groups 1..R-1. While the context is active, a src
-    that is not in the group is read as "the group's first rank", which is what DeepSpeed means.
-    """
-    from deepspeed.runtime.zero import partition_parameters as pp
-
-    ds_dist = pp.dist
-    original = ds_dist.broadcast
-
-    def broadcast(tensor: torch.Tensor, src: int, group: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if group is not None:
-            ranks = comm.get_process_group_ranks(group)
-            if src not in ranks:
-                src = ranks[0]
-        return original(tensor, src, group, *args, **kwargs)
-
-    ds_dist.broadcast = broadcast
-    try:
-        yield
-    finally:
-        ds_dist.broadcast = original
 
 
 def sync_replicas(model: torch.nn.Module, groups: MicsGroups) -> None:
