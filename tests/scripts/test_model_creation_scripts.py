@@ -138,3 +138,65 @@ def test_model_creation_accepts_smp_example_keywords_and_restores_the_default_dt
     assert layer.weight.dtype == torch.bfloat16
     assert torch.get_default_dtype() == before
     assert math.isfinite(float(layer.weight.detach().float().sum()))
+
+
+# ---- DistributedOptimizer: add_param_group and the script's own optimizer methods -------------
+
+UNFREEZE_SCRIPT = HERE / "model_creation" / "finetune_unfreeze.py"
+
+
+def _unfreeze_reference(world: int, late_unfreeze: bool) -> tuple[list[float], dict]:
+    script = _script_module(UNFREEZE_SCRIPT)
+    model = script.make_model()
+    layers = list(model)
+    opt = torch.optim.SGD([{"params": layers[4].parameters(), "lr": script.LRS["head"]},
+                           {"params": layers[2].parameters(), "lr": script.LRS["block2"]}])
+    x, y = script.dataset(world)
+    losses = []
+    for step in range(script.STEPS):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[step]), y[step])
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        if step == 0 and late_unfreeze:
+            opt.add_param_group({"params": list(layers[0].parameters()), "lr": script.LRS["block1"]})
+    return losses, model.state_dict()
+
+
+def _check_unfreeze(reports: list[dict], ref_losses: list[float], ref_weights: dict) -> None:
+    for rank, rep in enumerate(reports):
+        # every rank's loss is its own half of the batch; their mean is the reference's loss
+        assert sum(r["losses"][0] for r in reports) / len(reports) == pytest.approx(ref_losses[0], rel=1e-6)
+        for key, values in rep["weights"].items():
+            want = ref_weights[key.removeprefix("module.")].flatten()
+            got = torch.tensor(values)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (
+                f"rank {rank} {key}: max diff {float((got - want).abs().max()):.3g}")
+
+
+@pytest.mark.slow
+def test_unfreezing_with_add_param_group_under_plain_data_parallelism():
+    """fp32 DDP: DeepSpeed steps the script's optimizer itself, so groups can be added at any time."""
+    reports = run_torchrun(UNFREEZE_SCRIPT, 2, smp_parameters={"ddp": True, "microbatches": 2}, timeout_s=400)
+    losses, weights = _unfreeze_reference(2, late_unfreeze=True)
+    assert [r["late_unfreeze"] for r in reports] == ["added", "added"]
+    assert reports[0]["group_lrs"] == [0.1, 0.05, 0.02]  # the script's own method, through the wrapper
+    _check_unfreeze(reports, losses, weights)
+
+
+@pytest.mark.slow
+def test_unfreezing_with_add_param_group_under_sharded_data_parallelism():
+    """ZeRO-3 (sdp 2): a group added before the first step rebuilds the engine around it; one added
+    after a step is refused with the reason (DeepSpeed's flattened partitions hold the state)."""
+    smp_parameters = {"ddp": True, "microbatches": 2, "sharded_data_parallel_degree": 2,
+                      "sdp_gradient_clipping": 1e6, "sdp_param_persistence_threshold": 0}
+    reports = run_torchrun(UNFREEZE_SCRIPT, 2, smp_parameters=smp_parameters, timeout_s=400)
+    losses, weights = _unfreeze_reference(2, late_unfreeze=False)
+    for rep in reports:
+        assert rep["ds_optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+        assert rep["late_unfreeze"].startswith("SMPUnsupportedError: add_param_group after the first "
+                                               "optimizer.step() with mics (zero stage 3, fp32)"), rep["late_unfreeze"]
+        assert "add every group before the first step" in rep["late_unfreeze"]
+        assert rep["group_lrs"] == [0.1, 0.05]
+    _check_unfreeze(reports, losses, weights)
