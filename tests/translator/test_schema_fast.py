@@ -53,6 +53,7 @@ def variants(document: Any) -> Iterator[Any]:
         yield _replaced(document, path + ("not_an_smp_key",), 1)
 
 
+@pytest.mark.slow  # ~30 s on 2 cores for all inputs and variants; still runs in CI
 @pytest.mark.parametrize(("source", "document"), documents(), ids=lambda v: v if isinstance(v, str) else "")
 def test_agrees_with_jsonschema(source, document):
     checked = disagreements = 0
