@@ -83,21 +83,18 @@ def test_tp2_trains_hugging_face_families_and_an_smp_mlp_like_single_process():
     mlp = per_rank[0][1]["report"]
     assert mlp["replaced"] == {"emb": "DistributedEmbedding", "up": "DistributedLinear",
                                "down": "DistributedLinear", "head": "DistributedLinear"}
+    _check_fresh_weights(per_rank, RUNS["tp2-mb2"][1]["tensor_parallel_seed"])
 
 
-@pytest.mark.slow
-def test_tensor_parallel_seed_decides_the_fresh_weights_of_distributed_modules():
-    """Evidence for tensor_parallel_seed (the tp2-mb2 run's MLP phase, seed 7): every rank sees
-    the same full fresh weights, drawn from seed 7 + the module's index in creation order."""
-    per_rank = run_ranks(tw.run_tensor_parallel, 2, RUNS["tp2-mb2"][1], [RUNS["tp2-mb2"][2][1]], B)
-    seed = RUNS["tp2-mb2"][1]["tensor_parallel_seed"]
+def _check_fresh_weights(per_rank: list, seed: int) -> None:
+    """tensor_parallel_seed's effect: every rank sees the same full fresh weights of the replaced
+    modules, drawn from seed + the module's index in creation order (the MLP phase)."""
     expected = tw.fresh_mlp_weights(seed)
     for results in per_rank:
-        fresh = results[0]["fresh"]
         for key, value in expected.items():
-            _close(fresh[key], value, f"fresh {key}")
+            _close(results[1]["fresh"][key], value, f"fresh {key}")
     other = tw.fresh_mlp_weights(seed + 100)
-    assert not torch.allclose(torch.as_tensor(per_rank[0][0]["fresh"]["up.weight"]), other["up.weight"])
+    assert not torch.allclose(torch.as_tensor(per_rank[0][1]["fresh"]["up.weight"]), other["up.weight"])
 
 
 @pytest.mark.slow
