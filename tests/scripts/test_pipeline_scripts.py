@@ -82,44 +82,71 @@ def check_against_reference(results: list[dict], *, steps: int, dp: int, micro: 
 
 
 @pytest.mark.slow
-def test_grouped_net_pp2_data_on_first_stage_only_sgd_clipped_matches_reference():
-    """pp 2 on 2 ranks, 4 micro-batches, 1F1B, auto partition, SGD + clipping."""
-    steps, micro, clip = 3, 4, 0.5
-    results = run_torchrun(SCRIPT, 2, ["--steps", str(steps), "--optimizer", "sgd", "--clip", str(clip)],
-                           smp_parameters={"partitions": 2, "microbatches": micro, "pipeline": "interleaved",
-                                           "ddp": True})
-    check_against_reference(results, steps=steps, dp=1, micro=micro, optimizer="sgd", clip=clip)
-    assert [r["pp_rank"] for r in results] == [0, 1]
-    # auto partition cut GroupedNet between its children's leaf modules
-    assert results[0]["local_modules"] and results[1]["local_modules"]
-    assert set(results[0]["local_modules"]) | set(results[1]["local_modules"]) == {
-        "net1.conv1", "net1.conv2", "net2.fc1", "net2.fc2"}
-
-
-@pytest.mark.slow
-def test_grouped_net_pp2_manual_contexts_adam_gpipe_matches_reference():
-    """SMP's MNIST placement: ``with smp.partition(i)`` around each child, auto_partition off, GPipe, Adam."""
-    steps, micro = 3, 2
+def test_grouped_net_pp2_data_on_first_stage_only_manual_contexts_adam_gpipe_matches_reference():
+    """pp 2 on 2 ranks, 4 micro-batches, GPipe (``pipeline: simple``), Adam, and SMP's MNIST placement:
+    ``with smp.partition(i)`` around each child with ``auto_partition: false``."""
+    steps, micro = 3, 4
     results = run_torchrun(SCRIPT, 2, ["--steps", str(steps), "--optimizer", "adam", "--partition", "contexts"],
                            smp_parameters={"partitions": 2, "microbatches": micro, "pipeline": "simple",
                                            "auto_partition": False, "default_partition": 0, "ddp": True})
     check_against_reference(results, steps=steps, dp=1, micro=micro, optimizer="adam", clip=0.0)
+    assert [r["pp_rank"] for r in results] == [0, 1]
     assert results[0]["local_modules"] == ["net1.conv1", "net1.conv2"]
     assert results[1]["local_modules"] == ["net2.fc1", "net2.fc2"]
 
 
 @pytest.mark.slow
-def test_grouped_net_pp2_by_dp2_set_partition_matches_reference_on_every_replica():
-    """pp 2 x dp 2 on 4 ranks (ddp, interleaved), smp.set_partition, SGD + clipping, 2 micro-batches."""
+def test_grouped_net_pp2_by_dp2_auto_partition_sgd_clipped_matches_reference_on_every_replica():
+    """pp 2 x dp 2 on 4 ranks (``ddp: true``, interleaved = 1F1B), auto partition, SGD, 2 micro-batches,
+    ``clip_master_grads`` below the gradient norm."""
     steps, micro, clip = 3, 2, 0.3
-    results = run_torchrun(SCRIPT, 4, ["--steps", str(steps), "--optimizer", "sgd", "--clip", str(clip),
-                                       "--partition", "set_partition"],
+    results = run_torchrun(SCRIPT, 4, ["--steps", str(steps), "--optimizer", "sgd", "--clip", str(clip)],
                            smp_parameters={"partitions": 2, "microbatches": micro, "pipeline": "interleaved",
-                                           "auto_partition": False, "default_partition": 0, "ddp": True})
+                                           "ddp": True})
     ref = check_against_reference(results, steps=steps, dp=2, micro=micro, optimizer="sgd", clip=clip)
     assert sorted((r["pp_rank"], r["dp_rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    # The two replicas saw different data (so the check above is not vacuous) and ended with equal weights.
+    # The replicas saw different data (so the per-replica check is not vacuous) and ended with equal weights.
     assert ref["losses"][0][0] != ref["losses"][0][1]
+    # Auto partition cut GroupedNet between its children's leaf modules; replicas hold the same stage parts.
+    by_stage = {}
     for res in results:
-        assert res["local_modules"] == (["net1.conv1", "net1.conv2"] if res["pp_rank"] == 0 else
-                                        ["net2.fc1", "net2.fc2"])
+        by_stage.setdefault(res["pp_rank"], []).append(res["local_modules"])
+    assert all(len({tuple(m) for m in mods}) == 1 and mods[0] for mods in by_stage.values())
+    assert set(by_stage[0][0]) | set(by_stage[1][0]) == {"net1.conv1", "net1.conv2", "net2.fc1", "net2.fc2"}
+
+GPT2_SCRIPT = Path(__file__).parent / "pipeline" / "gpt2_first_stage_data.py"
+
+
+def _gpt2_reference(steps: int, micro: int) -> dict:
+    spec = importlib.util.spec_from_file_location("gpt2_first_stage_data", GPT2_SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model = script.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        ids, mask = script.global_batch(step, 1)
+        mine = []
+        for i, m in zip(ids.chunk(micro), mask.chunk(micro)):
+            loss = model(input_ids=i, attention_mask=m, labels=i).loss
+            (loss / micro).backward()
+            mine.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+        losses.append(mine)
+    return {"losses": losses, "state": model.state_dict()}
+
+
+@pytest.mark.slow
+def test_gpt2_script_with_tokens_on_the_first_stage_only_matches_reference():
+    """Hugging Face labels (``labels=input_ids``) reach the last stage from the first: GPT-2, pp 2, SGD."""
+    steps, micro = 2, 2
+    results = run_torchrun(GPT2_SCRIPT, 2, ["--steps", str(steps)],
+                           smp_parameters={"partitions": 2, "microbatches": micro, "pipeline": "interleaved",
+                                           "ddp": True})
+    ref = _gpt2_reference(steps, micro)
+    for res in results:
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), **TOL)
+        assert set(res["state"]) == set(ref["state"])
+        for key, value in ref["state"].items():
+            torch.testing.assert_close(torch.tensor(res["state"][key]), value, **TOL, msg=key)

@@ -95,16 +95,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
-    parser.add_argument("--partition", choices=["auto", "contexts", "set_partition"], default="auto")
+    parser.add_argument("--partition", choices=["auto", "contexts"], default="auto")
     parser.add_argument("--clip", type=float, default=0.0)
     args = parser.parse_args()
 
     smp.init()
     torch.manual_seed(0)
     model = GroupedNet(contexts=args.partition == "contexts")
-    if args.partition == "set_partition":
-        smp.set_partition(model.net1, 0)
-        smp.set_partition(model.net2, 1)
     model = smp.DistributedModel(model)
     optimizer = smp.DistributedOptimizer(make_optimizer(args.optimizer, model.parameters()))
 
