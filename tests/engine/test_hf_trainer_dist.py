@@ -5,8 +5,10 @@ The environment says "SageMaker model parallel" exactly as SageMaker would
 ``sagemaker_mpi_enabled``), so transformers' ``is_sagemaker_mp_enabled()`` is True, it imports
 ``smdistributed.modelparallel.torch`` (ours) and calls ``smp.init()``, wraps the model in
 ``smp.DistributedModel``, trains through ``trainer_pt_utils.smp_forward_backward`` and saves
-through ``smp.save``. ``smp2ds.engine.integrations.hf`` supplies the CPU device choice and the three repairs
-transformers 5 needs on this path (see its docstrings).
+through ``smp.save``. The workers use the stock ``Trainer`` and ``TrainingArguments`` (without
+``use_cpu``: the machine has no CUDA); importing ``smdistributed`` installed the repairs
+transformers' SMP path needs (``smp2ds.engine.integrations.hf_trainer_repairs``). The script-level
+test of the same path (``use_cpu=True``, torchrun) is ``tests/scripts/test_hf_trainer_scripts.py``.
 
 Every run is compared with a single-process plain-PyTorch reference that consumes the same
 samples per optimizer step: accelerate hands the per-device batches of the sequential sampler to
@@ -96,12 +98,12 @@ def _numpy(sd: dict) -> dict[str, np.ndarray]:
 # ---- workers (run in the spawned ranks) -------------------------------------------------------
 def _train_worker(opts: dict) -> dict:
     import torch
+    from transformers import Trainer, TrainingArguments
     from transformers.training_args import ParallelMode
 
     import smdistributed.modelparallel.torch as smp
-    from smp2ds.engine.integrations.hf import SMPCPUTrainingArguments, SMPTrainer
 
-    args = SMPCPUTrainingArguments(
+    args = TrainingArguments(
         output_dir=opts["out"], per_device_train_batch_size=PER_DEVICE, per_device_eval_batch_size=PER_DEVICE,
         gradient_accumulation_steps=opts.get("gas", 1), max_steps=opts["steps"], learning_rate=opts.get("lr", LR),
         optim=opts.get("optim", "adamw_torch"), adam_epsilon=ADAM_EPS, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM,
@@ -111,7 +113,7 @@ def _train_worker(opts: dict) -> dict:
     model, optimizers = _model(), (None, None)
     if opts.get("user_optimizer"):
         optimizers = (torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.0), None)
-    trainer = SMPTrainer(model=model, args=args, train_dataset=_LMData(_tokens(*TRAIN)), optimizers=optimizers)
+    trainer = Trainer(model=model, args=args, train_dataset=_LMData(_tokens(*TRAIN)), optimizers=optimizers)
     trainer.train(resume_from_checkpoint=opts.get("resume"))
     inner = trainer.optimizer.optimizer
     result = {
@@ -245,7 +247,7 @@ def test_trainer_trains_like_plain_pytorch(tmp_path: Any, gas: int, user_optimiz
 
 def test_pipeline_parallel_trainer_matches_plain_pytorch(tmp_path: Any) -> None:
     """partitions 2 on 2 ranks: one pipeline, data-parallel size 1, so both stages must train on
-    the same batches (SMPTrainer shards by smp.dp_rank, not by process). Weights (gathered over
+    the same batches (the repaired Trainer shards by smp.dp_rank, not by process). Weights (gathered over
     the stages), loss, grad norm (the tied embedding counted once) and eval loss match a
     single-replica reference."""
     steps = 3
@@ -339,3 +341,37 @@ def test_trainer_pt_utils_smp_helpers_on_the_engine() -> None:
     want_grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
     for r in results:
         _assert_weights_close(r["grads"], want_grads, rtol=1e-4, atol=1e-7)
+
+
+_IMPORT_ORDER_PROBE = """
+import json, sys
+exec(sys.argv[1])  # the script's first transformers import
+from transformers import Trainer, TrainingArguments
+args = TrainingArguments(output_dir=sys.argv[2], use_cpu=True)
+print(json.dumps({"device": str(args.device), "world_size": args.world_size,
+                  "arguments_repaired": TrainingArguments.__dict__.get("_smp2ds_smp_repairs", False),
+                  "trainer_repaired": Trainer.__dict__.get("_smp2ds_smp_repairs", False)}))
+"""
+
+
+@pytest.mark.parametrize("first_import", ["from transformers import TrainingArguments",
+                                          "from transformers import Trainer",
+                                          "from transformers import GPT2LMHeadModel"],
+                         ids=["training_args-imports-smp", "trainer-imports-smp", "modeling-imports-smp"])
+def test_repairs_reach_transformers_whichever_module_imports_smp_first(tmp_path: Any, first_import: str) -> None:
+    """Whichever transformers module imports smdistributed first (it is then half-executed, its
+    classes not yet defined), TrainingArguments(use_cpu=True) gets the CPU device on the SMP path
+    and Trainer carries the repairs. Stock transformers 5 fails here with UnboundLocalError."""
+    import subprocess
+    import sys
+
+    from tests._dist import BASE_ENV
+
+    env = dict(os.environ, **BASE_ENV, **_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               SMP2DS_INIT_METHOD=f"file://{tmp_path}/rendezvous",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_ORDER_PROBE, first_import, str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "device": "cpu", "world_size": 1, "arguments_repaired": True, "trainer_repaired": True}

@@ -1,0 +1,226 @@
+"""Repairs to transformers' SageMaker-model-parallel code path, installed into transformers itself.
+
+With ``SM_HP_MP_PARAMETERS`` (containing ``partitions``) and ``SM_FRAMEWORK_PARAMS``
+(``sagemaker_mpi_enabled``) set, transformers imports ``smdistributed.modelparallel.torch``
+(smp2ds), calls ``smp.init()`` and takes its SMP path. On current transformers releases that path
+fails or trains wrongly in several places; importing smp2ds's ``smdistributed`` package installs
+the repairs below into ``TrainingArguments`` and ``Trainer`` (see `class_repair_hook` for when),
+so a plain ``Trainer`` script runs unchanged. Every repaired method defers to transformers' own
+when SMP is not enabled.
+
+``TrainingArguments``:
+
+* Device. The SMP branch of ``_setup_devices`` picks ``cuda:<smp.local_rank()>``; with
+  ``use_cpu=True`` it leaves the device unset (``UnboundLocalError``). With ``use_cpu`` or without
+  CUDA the device is the CPU, and accelerate's process state adopts the process group
+  ``smp.init`` created, counting every rank (it shards the data loaders by it).
+
+``Trainer``:
+
+1. Optimizer creation. transformers 5 delays optimizer creation under SMP but then never creates
+   it (``create_scheduler`` fails on ``None``, as on real SMP), and never wraps an optimizer given
+   as ``optimizers=(opt, ...)`` in ``smp.DistributedOptimizer``. Both happen right before the
+   scheduler is built, after the model was wrapped: the order transformers 4.x used.
+2. Gradient clipping and the logged norm. Only fp16 runs clip through
+   ``optimizer.clip_master_grads``; fp32 runs clip ``model.parameters()``' ``.grad``, which
+   DeepSpeed's ZeRO-1 (``shard_optimizer_state``) has emptied, so nothing is clipped and the norm
+   logs as 0. The Trainer's accelerator clips through ``clip_master_grads`` under SMP, which
+   handles every precision and ZeRO stage.
+3. Evaluation wraps the model once. ``evaluation_loop`` calls ``_wrap_model(self.model)`` and
+   transformers 5 checks only its argument for a ``DistributedModel``, so it would wrap a second
+   time (SMP forbids it): the process's one ``DistributedModel`` is reused.
+4. Which rank reads which batch. accelerate shards data over all processes; SMP shards over the
+   data-parallel ranks (``args.world_size`` is ``smp.dp_size()``): the stages of one pipeline read
+   the same batch. Every data loader's shard is re-pointed at the data-parallel rank.
+5. Evaluation gathers through ``smp.allgather`` over the data-parallel group (transformers'
+   ``smp_gather``, as its SMP releases did), so predictions and labels hold each sample exactly
+   once (accelerate would gather one copy per pipeline stage); the padding accelerate adds to the
+   last batch is dropped as its ``gather_for_metrics`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from smp2ds.engine.integrations.class_repair_hook import ClassRepair, install
+
+__all__ = ["install_transformers_repairs"]
+
+_MARK = "_smp2ds_smp_repairs"
+
+
+def _smp_enabled() -> bool:
+    from transformers.utils import is_sagemaker_mp_enabled
+
+    return bool(is_sagemaker_mp_enabled())
+
+
+def _mark_once(cls: type) -> bool:
+    """True the first time for ``cls`` (repairs are applied once per class)."""
+    if cls.__dict__.get(_MARK):
+        return False
+    setattr(cls, _MARK, True)
+    return True
+
+
+def _replace(cls: type, name: str, make: Any) -> None:
+    """Replace method ``name`` of ``cls`` by ``make(original)``, keeping its name and docs."""
+    original = getattr(cls, name)
+    setattr(cls, name, functools.wraps(original)(make(original)))
+
+
+# ---- TrainingArguments -----------------------------------------------------------------------
+def repair_training_arguments(cls: type) -> None:
+    if not _mark_once(cls):
+        return
+    stock = cls.__dict__["_setup_devices"].func
+
+    def _setup_devices(self: Any) -> torch.device:
+        if not _smp_enabled() or (torch.cuda.is_available() and not self.use_cpu):
+            return stock(self)
+        from accelerate.state import AcceleratorState, PartialState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        # Told to use the CPU, accelerate counts every rank of the process group smp.init made
+        # (it does not initialise another one) and shards the data loaders by it.
+        PartialState(cpu=True)
+        # As transformers' SMP branch: no `distributed_state`, so world size and ranks come from
+        # smp.dp_size()/smp.dp_rank(); one device per process.
+        self.distributed_state = None
+        self._n_gpu = 1
+        return torch.device("cpu")
+
+    _setup_devices.__doc__ = stock.__doc__
+    prop = cached_property(_setup_devices)
+    prop.__set_name__(cls, "_setup_devices")
+    cls._setup_devices = prop
+
+
+# ---- Trainer ---------------------------------------------------------------------------------
+def _clip_through_optimizer(trainer: Any, accelerator: Any, parameters: Any, max_norm: float,
+                            norm_type: float = 2) -> Any:
+    """``accelerator.clip_grad_norm_`` under SMP: the optimizer's ``clip_master_grads``."""
+    clip = getattr(trainer.optimizer, "clip_master_grads", None)
+    if clip is None:
+        return type(accelerator).clip_grad_norm_(accelerator, parameters, max_norm, norm_type)
+    if float(norm_type) != 2.0:
+        raise ValueError(f"gradient clipping under SageMaker model parallelism clips the L2 norm; "
+                         f"norm_type={norm_type!r} is not supported (allowed: 2)")
+    return clip(max_norm)
+
+
+def _is_tensor_tree(data: Any) -> bool:
+    if isinstance(data, (list, tuple)):
+        return all(_is_tensor_tree(d) for d in data)
+    if isinstance(data, dict):
+        return all(_is_tensor_tree(d) for d in data.values())
+    return isinstance(data, torch.Tensor)
+
+
+def _truncate(data: Any, n: int) -> Any:
+    if isinstance(data, (list, tuple)) and not _is_tensor_tree(data):
+        return data[:n]
+    if isinstance(data, (list, tuple)):
+        return type(data)(_truncate(d, n) for d in data)
+    if isinstance(data, dict):
+        return type(data)({k: _truncate(v, n) for k, v in data.items()})
+    return data[:n]
+
+
+def _gather_over_data_parallel(accelerator: Any, data: Any, use_gather_object: bool = False) -> Any:
+    """``accelerator.gather_for_metrics`` under SMP: ``smp.allgather`` over the data-parallel group."""
+    from transformers.trainer_pt_utils import smp_gather
+
+    from smp2ds.engine.core.object_collectives import allgather
+    from smp2ds.engine.core.ranks import CommGroup
+
+    if use_gather_object or not _is_tensor_tree(data):
+        gathered = [item for part in allgather(data, CommGroup.DP_GROUP) for item in part]
+    else:
+        gathered = smp_gather(data)
+    state = accelerator.gradient_state
+    # The last batch is padded (with repeated samples) so every rank has one; drop the padding.
+    if state.end_of_dataloader and state.remainder > 0:
+        return _truncate(gathered, state.remainder)
+    return gathered
+
+
+def _shard_by_data_parallel_rank(trainer: Any, loader: Any) -> Any:
+    shard = getattr(loader, "batch_sampler", None)
+    if hasattr(shard, "num_processes") and hasattr(shard, "process_index"):
+        shard.num_processes, shard.process_index = trainer.args.world_size, trainer.args.process_index
+    return loader
+
+
+def repair_trainer(cls: type) -> None:
+    if not _mark_once(cls):
+        return
+    from smp2ds.engine.core.optimizer import DistributedOptimizer
+    from smp2ds.engine.core.state import state
+
+    def after_accelerator(original: Any) -> Any:
+        def create_accelerator_and_postprocess(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            if _smp_enabled():
+                acc = self.accelerator
+                acc.clip_grad_norm_ = functools.partial(_clip_through_optimizer, self, acc)
+                acc.gather_for_metrics = functools.partial(_gather_over_data_parallel, acc)
+                # the Trainer keeps its own reference (and resets it to the accelerator's after
+                # each evaluation, which now finds this one)
+                keywords = getattr(self, "gather_function", None)
+                keywords = keywords.keywords if isinstance(keywords, functools.partial) else {}
+                self.gather_function = functools.partial(acc.gather_for_metrics, **keywords)
+            return result
+        return create_accelerator_and_postprocess
+
+    def wrap_once(original: Any) -> Any:
+        def _wrap_model(self: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if _smp_enabled():
+                existing = state.model  # smp.state.model: the process's one DistributedModel
+                if existing is not None and (model is existing or model is existing.module):
+                    return existing
+            return original(self, model, *args, **kwargs)
+        return _wrap_model
+
+    def optimizer_before_scheduler(original: Any) -> Any:
+        def create_scheduler(self: Any, num_training_steps: int, optimizer: Any = None) -> Any:
+            if optimizer is None and _smp_enabled() and not isinstance(self.optimizer, DistributedOptimizer):
+                if self.optimizer is None:
+                    self.create_optimizer()
+                else:
+                    # Trainer(optimizers=(opt, ...)): accelerate may have wrapped it
+                    # (AcceleratedOptimizer adds nothing under SMP); SMP needs the user's optimizer.
+                    user = self.optimizer
+                    if type(user).__name__ == "AcceleratedOptimizer":
+                        user = user.optimizer
+                    self.optimizer = DistributedOptimizer(user)
+            return original(self, num_training_steps, optimizer)
+        return create_scheduler
+
+    def data_parallel_shards(original: Any) -> Any:
+        def get_dataloader(self: Any, *args: Any, **kwargs: Any) -> Any:
+            loader = original(self, *args, **kwargs)
+            return _shard_by_data_parallel_rank(self, loader) if _smp_enabled() else loader
+        return get_dataloader
+
+    _replace(cls, "create_accelerator_and_postprocess", after_accelerator)
+    _replace(cls, "_wrap_model", wrap_once)
+    _replace(cls, "create_scheduler", optimizer_before_scheduler)
+    for name in ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader"):
+        _replace(cls, name, data_parallel_shards)
+
+
+REPAIRS = [
+    ClassRepair("transformers.training_args", "TrainingArguments", repair_training_arguments),
+    ClassRepair("transformers.trainer", "Trainer", repair_trainer),
+]
+
+
+def install_transformers_repairs() -> None:
+    """Install the repairs into transformers' ``TrainingArguments`` and ``Trainer`` (now, or when
+    transformers defines them). Called by ``import smdistributed.modelparallel.torch``."""
+    install(REPAIRS)
