@@ -22,16 +22,64 @@ class _Pairs(dict):
     duplicates: tuple[str, ...] = ()
 
 
-def _object_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = _Pairs()
-    seen: list[str] = []
-    for key, value in pairs:
-        if key in obj and key not in seen:
-            seen.append(key)
-        obj[key] = value
-    if seen:
-        obj.duplicates = tuple(seen)
-    return obj
+class _Counter:
+    """``object_pairs_hook`` for one parse: builds :class:`_Pairs` and counts keys (C speed when
+    no key repeats, the common case)."""
+
+    def __init__(self) -> None:
+        self.keys = 0
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        self.keys += len(pairs)
+        obj = _Pairs(pairs)
+        if len(obj) != len(pairs):
+            seen: list[str] = []
+            counted: set[str] = set()
+            for key, _ in pairs:
+                if key in counted and key not in seen:
+                    seen.append(key)
+                counted.add(key)
+            obj.duplicates = tuple(seen)
+        return obj
+
+
+MAX_KEYS = 10_000
+"""Keys in one document (all levels). SMP configurations hold dozens; a document with millions
+would make every later step slow, so it is refused right after parsing."""
+MAX_DEPTH = 64
+"""Nesting levels of objects and arrays. SMP documents nest about 5 deep."""
+
+
+def _deepest(value: Any) -> tuple[int, tuple[Any, ...]]:
+    """Depth of the deepest container and the path to the first container beyond :data:`MAX_DEPTH`
+    (iterative: a hostile document must not exhaust the Python stack here)."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    deepest = 0
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.items()
+        elif isinstance(node, list):
+            children = enumerate(node)
+        else:
+            continue
+        deepest = max(deepest, len(path) + 1)
+        if len(path) + 1 > MAX_DEPTH:
+            return deepest, path
+        stack.extend((child, path + (key,)) for key, child in children)
+    return deepest, ()
+
+
+def _size_issues(value: Any, keys: int, source: str, prefix: tuple[Any, ...]) -> list[Issue]:
+    if keys > MAX_KEYS:
+        return [Issue(pointer_of(prefix), f"{source} has {keys} keys, more than any SMP configuration could use",
+                      allowed=f"at most {MAX_KEYS} keys in one document")]
+    depth, path = _deepest(value)
+    if depth > MAX_DEPTH:
+        return [Issue(pointer_of(prefix + path[:3]) + ("/..." if len(path) > 3 else ""),
+                      f"{source} nests objects/arrays more than {MAX_DEPTH} levels deep",
+                      allowed=f"at most {MAX_DEPTH} levels of nesting")]
+    return []
 
 
 def _reject_constant(name: str) -> Any:
@@ -85,8 +133,13 @@ def parse_json_text(text: str, source: str = "<input>", prefix: tuple[Any, ...] 
     ``prefix`` is the path at which this text sits inside the user's document (used when a
     ``parameters`` file is loaded), so issue pointers stay pointers into the whole document.
     """
+    counter = _Counter()
     try:
-        value = json.loads(text, object_pairs_hook=_object_hook, parse_constant=_reject_constant)
+        value = json.loads(text, object_pairs_hook=counter, parse_constant=_reject_constant)
+    except RecursionError:
+        issue = Issue(pointer_of(prefix), f"{source} nests objects/arrays too deeply for the JSON reader",
+                      allowed=f"at most {MAX_DEPTH} levels of nesting")
+        raise SMPConfigError([issue]) from None
     except json.JSONDecodeError as err:
         raise SMPConfigError(
             [
@@ -99,7 +152,7 @@ def parse_json_text(text: str, source: str = "<input>", prefix: tuple[Any, ...] 
         ) from None
     except ValueError as err:
         raise SMPConfigError([Issue(pointer_of(prefix), f"invalid JSON in {source}: {err}")]) from None
-    issues = _dup_issues(value, prefix, source)
+    issues = _size_issues(value, counter.keys, source, prefix) or _dup_issues(value, prefix, source)
     if issues:
         raise SMPConfigError(issues)
     return _plain(value)

@@ -41,6 +41,7 @@ _TYPE_NAMES = {
     "null": "null",
 }
 _LONG_LIST = 12  # longer allowed-key lists are summarised instead of printed
+MAX_UNKNOWN_LISTED = 50  # unknown keys of one object reported one by one; the rest are counted
 
 
 def _is_int(_checker: Any, value: Any) -> bool:
@@ -204,7 +205,8 @@ def _bound_issue(err: ValidationError, pointer: str) -> Issue:
 def _unknown_key_issues(err: ValidationError, path: tuple[Any, ...], doc: Document) -> list[Issue]:
     allowed = list(err.schema.get("properties", {}))
     patterns = [re.compile(p) for p in err.schema.get("patternProperties", {})]
-    extras = [k for k in err.instance if k not in allowed and not any(p.search(k) for p in patterns)]
+    known = set(allowed)
+    extras = [k for k in err.instance if k not in known and not any(p.search(k) for p in patterns)]
     here = doc.base + path
     in_params = path == doc.params_path and doc.strategy == "modelparallel"
     what = (
@@ -215,6 +217,12 @@ def _unknown_key_issues(err: ValidationError, path: tuple[Any, ...], doc: Docume
         ", ".join(allowed) if len(allowed) <= _LONG_LIST else f"one of the {len(allowed)} keys of {source}"
     )
     issues = []
+    if len(extras) > MAX_UNKNOWN_LISTED:
+        # a hostile or generated document: list a few (hints cost ~1 ms each), count the rest
+        rest = len(extras) - MAX_UNKNOWN_LISTED
+        issues.append(Issue(pointer_of(path), f"{len(extras)} unknown {what}s; the first {MAX_UNKNOWN_LISTED} are "
+                            f"listed, {rest} more are not", allowed=shown))
+        extras = extras[:MAX_UNKNOWN_LISTED]
     for key in extras:
         hint = unknown_key_hint(key, allowed, here, doc.kind)
         hint = _version_hint(key, doc, in_params) or hint

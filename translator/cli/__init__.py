@@ -193,7 +193,8 @@ def run_guarded(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
     """Run a subcommand, mapping expected failures to messages and exit codes (never a traceback)."""
     from smp2ds.translator.issues import InputError, SMPConfigError
 
-    source = source_name(getattr(args, "file", None) or "")
+    # `launch --config FILE` names its document `config`; every other command `file`
+    source = source_name(getattr(args, "file", None) or getattr(args, "config", None) or "")
     try:
         return handler(args)
     except SMPConfigError as err:

@@ -19,7 +19,12 @@ def detect_gpus() -> int:
     counts them), narrowed by ``CUDA_VISIBLE_DEVICES``; no ``nvidia-smi`` means no GPU.
     """
     forced = os.environ.get("SMP2DS_NUM_GPUS")
-    if forced is not None and forced.strip().isdigit():
+    if forced is not None and forced.strip() != "":
+        if not forced.strip().isdigit():
+            from smp2ds.translator.issues import InputError
+
+            raise InputError(f"environment variable SMP2DS_NUM_GPUS={forced!r} is not a GPU count; "
+                             "allowed: a whole number >= 0, or unset to ask nvidia-smi")
         return int(forced)
     import shutil
     import subprocess

@@ -55,7 +55,7 @@ def render_issues_text(issues: Sequence[Any], source: str) -> str:
     """Every issue with its pointer, then given / allowed / hint on indented lines."""
     count = len(issues)
     lines = [f"{source}: invalid SMP configuration ({count} problem{'s' if count != 1 else ''})"]
-    for issue in issues:
+    for issue in issues[:MAX_ISSUES_SHOWN]:
         lines.append(f"  {issue.pointer or '/'}: {issue.message}")
         if issue.has_given:
             lines.append(f"      given:   {compact(issue.given, 100)}")
@@ -63,7 +63,13 @@ def render_issues_text(issues: Sequence[Any], source: str) -> str:
             lines.append(f"      allowed: {issue.allowed}")
         if issue.hint is not None:
             lines.append(f"      hint:    {issue.hint}")
+    if count > MAX_ISSUES_SHOWN:
+        lines.append(f"  ... and {count - MAX_ISSUES_SHOWN} more problems (not shown; fix these first)")
     return "\n".join(lines) + "\n"
+
+
+MAX_ISSUES_SHOWN = 200
+"""Problems printed in text form; the rest are counted (a hostile document cannot flood the terminal)."""
 
 
 def render_issues_json(issues: Sequence[Any], source: str) -> str:
