@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from smp2ds.engine.core import checkpoint_commit as commit
+from smp2ds.engine.core import checkpoint_verify
 from smp2ds.engine.core import object_collectives as collectives
 from smp2ds.engine.core.ranks import CommGroup
-from smp2ds.engine.core.save_load import atomic_torch_save, atomic_write_text
+from smp2ds.engine.core.save_load import atomic_torch_save, fsync_dir
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import IncompatibleCheckpointFoundError, SMPCheckpointError
 
@@ -55,70 +56,90 @@ def _load(path: str) -> Any:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def _layout(optimizer_saved: bool, sharded: bool) -> dict[str, Any]:
+    topo = state.groups.topology
+    return {"world_size": topo.world_size, "pipeline_parallel_degree": topo.pp, "tensor_parallel_degree": topo.tp,
+            "rdp": topo.rdp, "optimizer_saved": optimizer_saved, "optimizer_sharded": sharded}
+
+
 def save_checkpoint(path: str, tag: str, partial: bool = True, model: Any = None, optimizer: Any = None,
                     user_content: Any = None, translate_if_full: bool = True,
                     num_kept_partial_checkpoints: int | None = None) -> None:
-    """Write a partial (per-rank) or full checkpoint; collective over all ranks."""
+    """Write a partial (per-rank) or full checkpoint; collective over all ranks.
+
+    A partial checkpoint is whole or absent after a crash at any point (see :mod:`checkpoint_commit`).
+    """
     state.require()
     if not isinstance(tag, str):
         raise SMPCheckpointError(f"tag must be a str, got {type(tag).__name__}")
-    tags = collectives.allgather(tag, CommGroup.WORLD)
+    rank = state.groups.rank
+    if partial and rank == 0:
+        commit.tidy(path)  # before any rank writes: leftovers of a crashed save go first
+    nonce = os.urandom(8).hex()
+    agreed = collectives.allgather((tag, nonce), CommGroup.WORLD)
+    tags = [t for t, _ in agreed]
     if len(set(tags)) != 1:
         raise SMPCheckpointError(f"save_checkpoint tag differs between ranks: {tags}")
-    rank, c = state.groups.rank, _coords()
     if partial:
-        directory = os.path.join(path, f"{tag}_partial")
-        # Some backends gather parameters for local_state_dict (collective): then every rank calls it.
-        if model is not None and (c.rdp_rank == 0 or model.backend.collective_state_dict):
-            sd = model.local_state_dict()
-            if c.rdp_rank == 0:
-                atomic_torch_save(sd, _model_file(directory))
-        if optimizer is not None:
-            sharded = bool(optimizer.backend.optimizer_state_is_sharded)
-            if sharded or c.rdp_rank == 0:
-                atomic_torch_save(optimizer.local_state_dict(), _optimizer_file(directory, sharded))
-        if rank == 0:
-            if user_content is not None:
-                atomic_torch_save(user_content, os.path.join(directory, "user_content.pt"))
-            atomic_torch_save({**state.cfg.get_config_dict(), "smp_version": SMP2DS_CHECKPOINT_VERSION},
-                              os.path.join(directory, "smp_config.pt"))
-        collectives.barrier()
-        if rank == 0:
-            _record_newest(path, f"{tag}_partial", num_kept_partial_checkpoints)
+        _save_partial(path, tag, agreed[0][1], model, optimizer, user_content, num_kept_partial_checkpoints)
     else:
-        if optimizer is not None:
-            warnings.warn("save_checkpoint(partial=False) saves only the model; the optimizer is skipped (SMP "
-                          "semantics); use partial=True to keep optimizer state", stacklevel=2)
-        if model is not None:
-            sd = model.state_dict()
-            if translate_if_full and state.module_manager.translate_functions:
-                for smp_to_hf, _ in state.module_manager.translate_functions:
-                    sd = smp_to_hf(sd)
-            else:
-                sd["_smp_is_partial"] = False
-            if rank == 0:
-                atomic_torch_save(sd, os.path.join(path, tag))
-        if rank == 0 and user_content is not None:
-            atomic_torch_save(user_content, os.path.join(path, f"user_content_{tag}"))
+        _save_full(path, tag, model, optimizer, user_content, translate_if_full)
     collectives.barrier()
 
 
-def _record_newest(path: str, entry: str, keep: int | None) -> None:
-    marker = os.path.join(path, "newest")
-    lines = []
-    if os.path.exists(marker):
-        with open(marker) as handle:
-            lines = [ln.strip() for ln in handle if ln.strip() and ln.strip() != entry]
-    lines.append(entry)
-    if keep is not None and keep > 0:
-        for old in lines[:-keep]:
-            shutil.rmtree(os.path.join(path, old), ignore_errors=True)
-        lines = lines[-keep:]
-    atomic_write_text(marker, "\n".join(lines) + "\n")
+def _save_partial(path: str, tag: str, nonce: str, model: Any, optimizer: Any, user_content: Any,
+                  keep: int | None) -> None:
+    rank, c = state.groups.rank, _coords()
+    entry = f"{tag}_partial"
+    stage = commit.stage_dir(path, entry, nonce)
+    os.makedirs(stage, exist_ok=True)
+    records: list[commit.FileRecord] = []
+    # Some backends gather parameters for local_state_dict (collective): then every rank calls it.
+    if model is not None and (c.rdp_rank == 0 or model.backend.collective_state_dict):
+        sd = model.local_state_dict()
+        if c.rdp_rank == 0:
+            records.append(commit.write_file(sd, stage, os.path.basename(_model_file(stage)), rank))
+    sharded = bool(optimizer.backend.optimizer_state_is_sharded) if optimizer is not None else False
+    if optimizer is not None and (sharded or c.rdp_rank == 0):
+        name = os.path.basename(_optimizer_file(stage, sharded))
+        records.append(commit.write_file(optimizer.local_state_dict(), stage, name, rank))
+    if rank == 0:
+        if user_content is not None:
+            records.append(commit.write_file(user_content, stage, "user_content.pt", rank))
+        config = {**state.cfg.get_config_dict(), "smp_version": SMP2DS_CHECKPOINT_VERSION}
+        records.append(commit.write_file(config, stage, "smp_config.pt", rank))
+    commit.fault_point("files_written", rank)
+    fsync_dir(stage)
+    everyone = collectives.allgather(records, CommGroup.WORLD)
+    if rank == 0:
+        commit.seal(path, entry, stage, [r for part in everyone for r in part],
+                    _layout(optimizer is not None, sharded), tag, SMP2DS_CHECKPOINT_VERSION, keep)
+
+
+def _save_full(path: str, tag: str, model: Any, optimizer: Any, user_content: Any, translate_if_full: bool) -> None:
+    rank = state.groups.rank
+    if optimizer is not None:
+        warnings.warn("save_checkpoint(partial=False) saves only the model; the optimizer is skipped (SMP "
+                      "semantics); use partial=True to keep optimizer state", stacklevel=3)
+    if model is not None:
+        sd = model.state_dict()
+        if translate_if_full and state.module_manager.translate_functions:
+            for smp_to_hf, _ in state.module_manager.translate_functions:
+                sd = smp_to_hf(sd)
+        else:
+            sd["_smp_is_partial"] = False
+        if rank == 0:
+            atomic_torch_save(sd, os.path.join(path, tag))
+    if rank == 0 and user_content is not None:
+        atomic_torch_save(user_content, os.path.join(path, f"user_content_{tag}"))
 
 
 def _check_config(directory: str, load_optimizer: bool) -> None:
-    if os.environ.get("SMP_VERIFY_CHECKPOINT_CONFIG", "1") == "0":
+    verify = os.environ.get("SMP_VERIFY_CHECKPOINT_CONFIG", "1").strip()
+    if verify not in ("0", "1", ""):
+        raise SMPCheckpointError(f"environment variable SMP_VERIFY_CHECKPOINT_CONFIG={verify!r} is not a switch; "
+                                 "allowed: 0 (skip the configuration check) or 1")
+    if verify == "0":
         return
     cfg_path = os.path.join(directory, "smp_config.pt")
     if not os.path.exists(cfg_path):
@@ -228,24 +249,14 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
             entries = [ln.strip() for ln in handle if ln.strip()]
         if not entries:
             raise SMPCheckpointError(f"{marker} is empty")
-        directory = os.path.join(path, entries[-1])
+        entry = entries[-1]
     else:
-        directory = os.path.join(path, tag if tag.endswith("_partial") else f"{tag}_partial")
-    if not os.path.isdir(directory):
-        raise SMPCheckpointError(f"partial checkpoint directory {directory} does not exist")
+        entry = tag if tag.endswith("_partial") else f"{tag}_partial"
+    directory = commit.resolve_dir(path, entry)
     _check_config(directory, load_optimizer)
-    model_file = _model_file(directory)
-    if not os.path.exists(model_file):
-        raise SMPCheckpointError(f"{model_file} is missing")
-    _apply_model(_load(model_file), strict, translate_function)
-    if load_optimizer:
-        expect = bool(state.cfg.shard_optimizer_state) or int(state.cfg.sharded_data_parallel_degree) > 1
-        for sharded in (expect, not expect):
-            opt_file = _optimizer_file(directory, sharded)
-            if os.path.exists(opt_file):
-                _apply_optimizer(_load(opt_file))
-                break
-        else:
-            warnings.warn(f"no optimizer state for this rank in {directory}; optimizer starts fresh", stacklevel=2)
-    content = os.path.join(directory, "user_content.pt")
-    return _load(content) if os.path.exists(content) else None
+    files = checkpoint_verify.files_to_load(directory, _model_file(directory), load_optimizer,
+                                            lambda sharded: _optimizer_file(directory, sharded))
+    _apply_model(_load(files["model"]), strict, translate_function)
+    if "optimizer" in files:
+        _apply_optimizer(_load(files["optimizer"]))
+    return _load(files["user_content"]) if "user_content" in files else None

@@ -33,7 +33,6 @@ from smp2ds.translator.model import Layout
 log = logging.getLogger("smp2ds")
 
 ENV_KEY = "SM_HP_MP_PARAMETERS"
-PG_TIMEOUT_S = float(os.environ.get("SMP2DS_PG_TIMEOUT", "1800"))
 
 
 def merged_config(config: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -126,8 +125,9 @@ def init(config: Mapping[str, Any] | None = None) -> None:
                 f"{launch.world_size}"
             )
     else:
-        store = comm.create_store(launch.rendezvous, launch.rank, launch.world_size, PG_TIMEOUT_S)
-        comm.init(backend, store, launch.rank, launch.world_size, PG_TIMEOUT_S)
+        pg_timeout = launch_env.pg_timeout_s()  # validated before anything waits on it
+        store = comm.create_store(launch.rendezvous, launch.rank, launch.world_size, pg_timeout)
+        comm.init(backend, store, launch.rank, launch.world_size, pg_timeout)
     _raise_config_error_once(error, launch)
     _finish(cfg, plan, launch, backend)
 
@@ -174,7 +174,7 @@ def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> 
             else ("torchrun agent" if rdv.agent_store else f"rank 0 at {rdv.host}:{rdv.port}")
         )
         state.watchdog = Watchdog(
-            lambda: comm.create_store(rdv, launch.rank, launch.world_size, PG_TIMEOUT_S, side=True),
+            lambda: comm.create_store(rdv, launch.rank, launch.world_size, launch_env.pg_timeout_s(), side=True),
             launch.rank,
             launch.world_size,
             timeout,

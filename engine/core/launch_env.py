@@ -19,6 +19,7 @@ Rendezvous precedence (first match wins):
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tempfile
@@ -81,6 +82,44 @@ def _int(env: Mapping[str, str], *names: str) -> int | None:
             except ValueError as exc:
                 raise LaunchEnvError(f"environment variable {name}={value!r} is not an integer") from exc
     return None
+
+
+def seconds_knob(name: str, default: float, env: Mapping[str, str] | None = None, zero_means: str = "") -> float:
+    """A duration in seconds from environment variable ``name``; a bad value is an error naming it.
+
+    ``zero_means`` says what 0 does (e.g. "disables the watchdog"); without it 0 is refused.
+    """
+    env = os.environ if env is None else env
+    raw = env.get(name, "").strip()
+    if raw == "":
+        return default
+    allowed = "a number of seconds >= 0" + (f" (0 {zero_means})" if zero_means else " and > 0")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise LaunchEnvError(f"environment variable {name}={raw!r} is not a number; allowed: {allowed}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_means):
+        raise LaunchEnvError(f"environment variable {name}={raw!r} is out of range; allowed: {allowed}")
+    return value
+
+
+COMM_TIMEOUT_DEFAULT_S = 300.0
+PG_TIMEOUT_DEFAULT_S = 1800.0
+
+
+def comm_timeout_s(env: Mapping[str, str] | None = None) -> float:
+    """``SMP2DS_COMM_TIMEOUT``: how long a rank may be silent (dead) or wait in one collective
+    (stuck peer) before every rank stops; 0 disables the watchdog."""
+    return seconds_knob("SMP2DS_COMM_TIMEOUT", COMM_TIMEOUT_DEFAULT_S, env, zero_means="disables the watchdog")
+
+
+def pg_timeout_s(env: Mapping[str, str] | None = None) -> float:
+    """The gloo/NCCL collective timeout: ``SMP2DS_PG_TIMEOUT`` if set, else derived from
+    ``SMP2DS_COMM_TIMEOUT`` (twice it, at least 30 s more) so the watchdog, which names the rank
+    that is behind, always acts before a bare backend timeout does."""
+    comm = comm_timeout_s(env)
+    default = PG_TIMEOUT_DEFAULT_S if comm == 0 else max(2 * comm, comm + 30.0)
+    return seconds_knob("SMP2DS_PG_TIMEOUT", default, env)
 
 
 def _launcher(env: Mapping[str, str]) -> Launcher:

@@ -15,7 +15,8 @@ import glob
 import os
 import re
 import tempfile
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import torch
 
@@ -24,19 +25,57 @@ from smp2ds.engine.exceptions import (
     IncompatibleCheckpointFoundError,
     IncompatibleCheckpointRankFoundError,
     MissingCheckpointFilesError,
+    SMPInvalidArgumentError,
 )
 
 _TMP_PREFIX = ".smp2ds-tmp-"
 
 
-def atomic_torch_save(obj: Any, path: str, **kwargs: Any) -> None:
-    """``torch.save`` to a temporary sibling, then rename over ``path``."""
+def readable_mode() -> int:
+    """The mode ``open()`` would give a new file (0o666 minus the umask), as ``torch.save`` does.
+
+    ``tempfile.mkstemp`` creates files ``-rw-------``; a checkpoint renamed from one would be
+    unreadable to a serving container or a colleague's account.
+    """
+    mask = _current_umask()
+    return 0o666 & ~mask
+
+
+def _current_umask() -> int:
+    try:
+        with open("/proc/self/status") as handle:  # Linux: read without changing it
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def fsync_dir(directory: str) -> None:
+    """Make renames and new names inside ``directory`` durable (no-op where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=directory)
     try:
+        os.fchmod(fd, readable_mode())
         with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle, **kwargs)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -44,15 +83,17 @@ def atomic_torch_save(obj: Any, path: str, **kwargs: Any) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    fsync_dir(directory)
+
+
+def atomic_torch_save(obj: Any, path: str, **kwargs: Any) -> None:
+    """``torch.save`` to a temporary sibling, fsync, then rename over ``path``."""
+    _atomic_write(path, lambda handle: torch.save(obj, handle, **kwargs))
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=directory)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+    """Write ``text`` to ``path`` atomically and durably (same mode rules as :func:`atomic_torch_save`)."""
+    _atomic_write(path, lambda handle: handle.write(text.encode()))
 
 
 def partial_name(f: str, v3: bool = False, suffix: str = ".pt") -> str:
@@ -66,6 +107,13 @@ def save(obj: Any, f: str, partial: bool = True, v3: bool = False, **kwargs: Any
     """``smp.save``: every caller writes its own part (partial) or rank 0 writes ``f`` (full)."""
     state.require()
     if partial:
+        shard = _optimizer_shard(obj)
+        if shard is not None and not v3:
+            raise SMPInvalidArgumentError(
+                f"smp.save({f!r}, partial=True) of a sharded optimizer state (rdp_rank {shard[0]} of {shard[1]}) "
+                f"without v3=True: every rdp rank would write {partial_name(f)} and only the last shard would "
+                "survive; pass v3=True (SMP: use v3 with shard_optimizer_state / sharded data parallelism) so each "
+                "rank writes its own file")
         atomic_torch_save(obj, partial_name(f, v3), **kwargs)
     elif state.groups.rank == 0:
         atomic_torch_save(obj, f, **kwargs)
@@ -126,4 +174,25 @@ def load(f: str, partial: bool = True, back_compat: bool = False, **kwargs: Any)
     kwargs.setdefault("weights_only", False)
     kwargs.setdefault("map_location", "cpu")
     path = partial_path(f, back_compat) if partial else f
-    return torch.load(path, **kwargs)
+    obj = torch.load(path, **kwargs)
+    shard = _optimizer_shard(obj) if partial else None
+    if shard is not None:
+        c, topo = state.groups.coords, state.groups.topology
+        if shard != (c.rdp_rank, topo.rdp):
+            raise IncompatibleCheckpointRankFoundError(
+                f"{path} holds the optimizer shard of rdp_rank {shard[0]} of {shard[1]}, but this rank is rdp_rank "
+                f"{c.rdp_rank} of {topo.rdp}: loading it would give this rank another rank's optimizer state. Save "
+                "sharded optimizer state with smp.save(..., partial=True, v3=True) and load it with the same "
+                "data-parallel layout")
+    return obj
+
+
+def _optimizer_shard(obj: Any) -> tuple[int, int] | None:
+    """``(rdp_rank, rdp_size)`` when ``obj`` is one rank's part of a sharded optimizer state
+    (``DistributedOptimizer.local_state_dict()`` under ZeRO / sharded data parallelism)."""
+    if not isinstance(obj, dict) or "ds_optimizer" not in obj or not isinstance(obj.get("smp2ds"), dict):
+        return None
+    meta = obj["smp2ds"]
+    if int(meta.get("zero_stage", 0)) < 1 or int(meta.get("rdp_size", 1)) < 2:
+        return None
+    return int(meta.get("rdp_rank", 0)), int(meta["rdp_size"])

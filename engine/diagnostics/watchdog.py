@@ -11,6 +11,9 @@ that talks to the rendezvous store on its own client connection:
   ``abort`` key (first writer wins), and every rank that reads ``abort`` prints one line naming
   the lost rank and exits with :data:`RANK_LOST_EXIT_CODE`;
 * a rank that fails with a Python exception records ``rank N failed: ...`` at once (fast path);
+* it publishes where its main thread is (:mod:`stall`); a rank that has waited inside one
+  collective call for ``timeout`` seconds records a verdict naming the ranks that are not in it
+  (alive but stuck: sleeping, or in a collective the others never call) and where they are;
 * if the store itself becomes unreachable, its host (rank 0, unless torchrun's agent hosts it)
   is the lost rank.
 
@@ -24,25 +27,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from smp2ds.engine.core import comm
+from smp2ds.engine.core import comm, launch_env
+from smp2ds.engine.diagnostics import stall
 
 RANK_LOST_EXIT_CODE = 75
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = launch_env.COMM_TIMEOUT_DEFAULT_S
 
 
 def timeout_from_env() -> float:
     """``SMP2DS_COMM_TIMEOUT`` in seconds (0 disables); a bad value is an error naming the variable."""
-    raw = os.environ.get("SMP2DS_COMM_TIMEOUT", "")
-    if raw == "":
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise ValueError(f"SMP2DS_COMM_TIMEOUT={raw!r} is not a number of seconds") from exc
-    if value < 0:
-        raise ValueError(f"SMP2DS_COMM_TIMEOUT={raw!r} must be >= 0 (0 disables the watchdog)")
-    return value
+    return launch_env.comm_timeout_s()
 
 
 class Watchdog:
@@ -61,6 +57,9 @@ class Watchdog:
         self._verdict_ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"smp2ds-watchdog-{rank}", daemon=True)
         self._seen: dict[int, tuple[int, float]] = {}
+        self._main_thread = threading.main_thread().ident or 0
+        self._entry: Any = None
+        self._entry_since = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> Watchdog:
@@ -149,6 +148,9 @@ class Watchdog:
         self._store.add(f"hb/{self.rank}", 1)
         if self._store.check(["abort"]):
             return self._store.get("abort").decode()
+        stalled = self._progress()
+        if stalled:
+            return stalled
         peer = self._target()
         if peer is None:
             return None
@@ -163,6 +165,31 @@ class Watchdog:
             self._store.compare_set("abort", "", message)
             return self._store.get("abort").decode()
         return None
+
+    def _progress(self) -> str | None:
+        """Publish where the main thread is; a verdict when it has waited in one collective too long."""
+        position, entry = stall.sample(self._main_thread)
+        self._store.set(f"pos/{self.rank}", position.to_json())
+        now = time.monotonic()
+        if entry is None or entry is not self._entry:
+            self._entry, self._entry_since = entry, now  # holds the frame so its identity stays unique
+            return None
+        waited = now - self._entry_since
+        if waited <= self.timeout_s:
+            return None
+        others: dict[int, stall.Position | None] = {}
+        finished: set[int] = set()
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            if self._store.check([f"done/{r}"]):
+                finished.add(r)
+            else:
+                others[r] = stall.Position.from_json(self._store.get(f"pos/{r}").decode()) \
+                    if self._store.check([f"pos/{r}"]) else None
+        message = stall.stall_verdict(self.rank, waited, position, others, finished)
+        self._store.compare_set("abort", "", message)
+        return self._store.get("abort").decode()
 
     def _abort(self, verdict: str) -> None:
         self._verdict = verdict

@@ -6,11 +6,13 @@ import os
 
 import pytest
 
+from smp2ds.engine.core import launch_env
 from smp2ds.engine.diagnostics.watchdog import RANK_LOST_EXIT_CODE
 from tests.engine.proc_launch import run_script
 
 HERE = os.path.dirname(__file__)
 TIMEOUT = 4.0
+STUCK_TIMEOUT = 8.0  # a peer may legitimately wait this long at a collective on a loaded 2-core machine
 
 
 @pytest.mark.slow
@@ -54,3 +56,49 @@ def test_config_error_on_one_rank_only_stops_every_rank_and_is_reported_once():
     assert text.count("invalid SMP configuration") == 1 and "found on rank(s) [1]" in text, text
     assert "microbatchez" in text and "Traceback" not in text
     assert runs[1].stderr.count("invalid SMP configuration") == 1  # printed by the rank that has it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sleep", "alone"])
+def test_a_rank_alive_but_stuck_stops_every_rank_naming_it(tmp_path, how):
+    """The stuck rank keeps heartbeating, so only lack of progress can reveal it."""
+    mark, victim = str(tmp_path / "stuck_at"), 1
+    runs = run_script(os.path.join(HERE, "scripts", "stuck_rank.py"), 2, [str(victim), how],
+                      env={"SMP2DS_COMM_TIMEOUT": str(STUCK_TIMEOUT), "FAULT_MARK": mark}, timeout_s=180)
+    with open(mark) as handle:
+        stuck_at = float(handle.read())
+    text = runs[0].stderr + runs[1].stderr
+    for r in runs:
+        assert r.returncode == RANK_LOST_EXIT_CODE, (r.rank, r.returncode, r.stderr[-2000:])
+        # bounded: the progress timeout plus polling, far below the collective (PG) timeout
+        assert r.ended_at - stuck_at < STUCK_TIMEOUT + 10, (r.rank, r.ended_at - stuck_at)
+        assert "smp2ds: rank" in r.stderr and "stops because" in r.stderr, r.stderr[-2000:]
+    if how == "sleep":
+        assert "rank 1 is not in a collective at stuck_rank.py:35 in <module>, step 3" in text, text[-3000:]
+        assert "rank 0 waited" in text
+    else:
+        assert "rank 1 is in collective" in text or "rank 0 is in collective" in text, text[-3000:]
+        assert "stuck_rank.py:37 in <module>" in text, text[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "reader", "expected"),
+    [
+        ("SMP2DS_PG_TIMEOUT", "abc", launch_env.pg_timeout_s, "SMP2DS_PG_TIMEOUT='abc' is not a number"),
+        ("SMP2DS_PG_TIMEOUT", "0", launch_env.pg_timeout_s, "SMP2DS_PG_TIMEOUT='0' is out of range"),
+        ("SMP2DS_PG_TIMEOUT", "nan", launch_env.pg_timeout_s, "SMP2DS_PG_TIMEOUT='nan' is out of range"),
+        ("SMP2DS_COMM_TIMEOUT", "-1", launch_env.comm_timeout_s, "SMP2DS_COMM_TIMEOUT='-1' is out of range"),
+        ("SMP2DS_COMM_TIMEOUT", "5m", launch_env.pg_timeout_s, "SMP2DS_COMM_TIMEOUT='5m' is not a number"),
+    ],
+)
+def test_every_timeout_knob_is_validated_naming_it(name, value, reader, expected):
+    with pytest.raises(launch_env.LaunchEnvError) as caught:
+        reader({name: value})
+    assert expected in str(caught.value) and "allowed: a number of seconds" in str(caught.value)
+
+
+def test_timeout_knob_defaults_derive_the_collective_timeout_from_the_watchdog_one():
+    assert launch_env.comm_timeout_s({}) == 300.0 and launch_env.pg_timeout_s({}) == 600.0
+    assert launch_env.pg_timeout_s({"SMP2DS_COMM_TIMEOUT": "10"}) == 40.0  # 10 + 30: the watchdog acts first
+    assert launch_env.pg_timeout_s({"SMP2DS_COMM_TIMEOUT": "0"}) == 1800.0  # watchdog off: torch's usual
+    assert launch_env.pg_timeout_s({"SMP2DS_PG_TIMEOUT": "90", "SMP2DS_COMM_TIMEOUT": "10"}) == 90.0
