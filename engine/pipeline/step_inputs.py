@@ -23,7 +23,7 @@ from smp2ds.engine.exceptions import SMPRuntimeError
 from smp2ds.engine.pipeline import stage_collectives as collectives
 
 MicroCall = tuple[tuple, dict]
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, np.ndarray, torch.dtype, torch.device)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, np.ndarray, torch.dtype, torch.device, torch.Size)
 _MISSING = object()
 
 
@@ -90,7 +90,7 @@ def decode(enc: Any, local: Any, where: str) -> Any:
     if isinstance(enc, _Local):
         if local is _MISSING:
             raise SMPRuntimeError(
-                f"step argument {where} is a {enc.kind} on the first pipeline stage and missing on this stage: "
+                f"step argument {where} ({enc.kind} on the first pipeline stage) is missing on this stage: "
                 "every stage must pass the step function the same non-tensor arguments (the model, optimizer "
                 "...); only tensors and plain values are taken from the first stage")
         return local

@@ -234,13 +234,26 @@ def test_a_received_value_used_without_gradient_still_gets_one():
 
 def test_step_inputs_come_from_the_first_stage_objects_from_this_rank():
     model, other_model = object(), object()
-    first = [((model, torch.arange(4.0), {"labels": torch.tensor([1, 2]), "n": 3}), {"flag": True})]
+    first = [((model, torch.arange(4.0), {"labels": torch.tensor([1, 2]), "n": 3}),
+              {"flag": True, "shape": torch.Size([2, 3])})]
     encoded = step_inputs.encode_calls(first)
     mine = [((other_model, torch.empty(0), None), {"flag": False})]
     (args, kwargs), = step_inputs.decode_calls(encoded, mine)
     assert args[0] is other_model  # not sent: this rank's own
     assert torch.equal(args[1], torch.arange(4.0)) and torch.equal(args[2]["labels"], torch.tensor([1, 2]))
-    assert args[2]["n"] == 3 and kwargs == {"flag": True}
-    with pytest.raises(SMPRuntimeError, match="step argument #0 is a object on the first pipeline stage and missing "
-                                              "on this stage"):
+    assert args[2]["n"] == 3 and kwargs == {"flag": True, "shape": torch.Size([2, 3])}
+    with pytest.raises(SMPRuntimeError, match=r"step argument #0 \(object on the first pipeline stage\) is missing "
+                                              "on this stage: every stage must pass"):
         step_inputs.decode_calls(encoded, [((), {})])
+
+
+def test_step_inputs_keep_mappings_and_named_tuples():
+    import collections
+
+    Batch = collections.namedtuple("Batch", "ids labels")
+    ordered = collections.OrderedDict(ids=torch.arange(3), mask=torch.ones(3))
+    encoded = step_inputs.encode_calls([((Batch(torch.arange(2), torch.tensor([5, 6])), ordered), {})])
+    (args, _), = step_inputs.decode_calls(encoded, [((torch.empty(0), torch.empty(0)), {})])
+    assert type(args[0]) is Batch and torch.equal(args[0].labels, torch.tensor([5, 6]))
+    assert type(args[1]) is collections.OrderedDict and list(args[1]) == ["ids", "mask"]
+    assert torch.equal(args[1]["mask"], torch.ones(3))
