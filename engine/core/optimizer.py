@@ -8,6 +8,7 @@ builds its scheduler on it under fp16). Creating it builds the DeepSpeed engine.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -185,7 +186,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _warn_sdp_clip(self, max_norm: float) -> None:
         configured = float((self.backend.ds_config or {}).get("gradient_clipping", 0.0))
-        if max_norm != configured and not self.__dict__.get("_sdp_clip_warned"):
+        # inf is how callers ask for the norm alone (Hugging Face's grad-norm logging)
+        if math.isfinite(max_norm) and max_norm != configured and not self.__dict__.get("_sdp_clip_warned"):
             self._sdp_clip_warned = True
             warnings.warn(f"clip_master_grads({max_norm}) has no effect with sharded data parallelism (as in SMP): "
                           f"gradients are clipped at sdp_gradient_clipping = {configured}", stacklevel=3)

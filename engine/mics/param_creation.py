@@ -56,10 +56,13 @@ def mics_init_context(ds_config: Mapping[str, Any], groups: MicsGroups, enabled:
     cfg = shard_ds_config(ds_config, groups)
     if enabled:
         import_lazy_modules()
-    hf_init = _hf_init_on_gathered_parameters() if enabled else contextlib.nullcontext()
-    with _group_local_broadcast_src(), hf_init, deepspeed.zero.Init(data_parallel_group=groups.shard_group,
-                                                                    config_dict_or_path=cfg,
-                                                                    mpu=ShardGroupMPU(groups), enabled=enabled):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_group_local_broadcast_src())
+        if enabled:
+            stack.enter_context(_hf_init_on_gathered_parameters())
+            stack.enter_context(_hf_sees_zero3(cfg))
+        stack.enter_context(deepspeed.zero.Init(data_parallel_group=groups.shard_group, config_dict_or_path=cfg,
+                                                mpu=ShardGroupMPU(groups), enabled=enabled))
         yield
 
 
@@ -130,6 +133,43 @@ def _hf_init_on_gathered_parameters() -> Iterator[None]:
         yield
     finally:
         model_cls._initialize_weights = original
+
+
+class _Zero3Config:
+    """What transformers asks of its ``HfDeepSpeedConfig`` (``is_zero3()``, ``config``)."""
+
+    def __init__(self, config: Mapping[str, Any]):
+        self.config = dict(config)
+
+    def is_zero3(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _hf_sees_zero3(ds_config: Mapping[str, Any]) -> Iterator[None]:
+    """Tell transformers that ZeRO-3 is on and ``zero.Init`` already active while the context lasts.
+
+    ``from_pretrained`` then builds the model in our context (not on the meta device, not under a
+    second ``zero.Init`` over the whole world) and loads the checkpoint through gathered
+    parameters (``_load_state_dict_into_zero3_model``). It loads on global rank 0 only: shard groups
+    without it get the loaded values from the first shard group when the engine is built
+    (``zero3.sync_replicas``).
+    """
+    hf_deepspeed = sys.modules.get("transformers.integrations.deepspeed")
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    if hf_deepspeed is None or modeling_utils is None or not hasattr(hf_deepspeed, "set_hf_deepspeed_config"):
+        yield
+        return
+    previous = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    view = _Zero3Config(ds_config)  # referenced here: transformers keeps only a weak reference
+    hf_deepspeed.set_hf_deepspeed_config(view)
+    zero3_state = getattr(modeling_utils, "set_zero3_state", contextlib.nullcontext)
+    try:
+        with zero3_state():
+            yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = previous
+        del view
 
 
 @contextlib.contextmanager

@@ -38,13 +38,16 @@ def _script_module(path: Path):
 
 
 def _gpt2_reference(*, world: int, steps: int, batch: int, optimizer: str, lr: float, clip: float,
-                    weight_decay: float = 0.01, seed: int = 12345) -> dict:
+                    weight_decay: float = 0.01, seed: int = 12345, pretrained: Path | None = None) -> dict:
     """The script's training in one process: the whole job's batch per step, torch clipping."""
     from transformers import AutoModelForCausalLM, set_seed
 
     script = _script_module(GPT2_SCRIPT)
     set_seed(seed)
-    model = AutoModelForCausalLM.from_config(script.model_config())
+    if pretrained is None:
+        model = AutoModelForCausalLM.from_config(script.model_config())
+    else:
+        model = AutoModelForCausalLM.from_pretrained(pretrained)
     opt = script.make_optimizer(optimizer, script.get_param_groups_by_weight_decay(model, weight_decay), lr)
     data = script.tokens(steps, batch * world)
     losses, norms = [], []
@@ -96,14 +99,22 @@ def test_gpt2_sdp_script_with_delayed_init_and_adamw_matches_single_process():
 
 
 @pytest.mark.slow
-def test_gpt2_sdp_script_with_zero_init_sgd_and_two_replicas_matches_single_process():
-    """model_creation(zero_init=True) without delayed init partitions at creation; sdp 2 on 4 ranks
-    (two MiCS replicas), plain SGD (no normalisation hiding gradient scale), clipping at 0.3."""
+def test_gpt2_sdp_fine_tune_script_with_zero_init_sgd_and_two_replicas_matches_single_process(tmp_path):
+    """SMP's fine-tuning branch: ``from_pretrained`` inside ``model_creation(zero_init=True)`` without
+    delayed init (parameters partitioned at creation, checkpoint loaded into the partitions); sdp 2
+    on 4 ranks (two MiCS replicas), plain SGD (no normalisation hiding gradient scale), clipping at 0.3."""
+    from transformers import AutoModelForCausalLM
+
+    script = _script_module(GPT2_SCRIPT)
+    torch.manual_seed(99)  # not the script's seed: only loading gives the reference's weights
+    AutoModelForCausalLM.from_config(script.model_config()).save_pretrained(tmp_path / "pretrained")
     clip = 0.3
-    args = ["--steps", "3", "--optimizer", "sgd", "--lr", "0.5", "--grad-clip", str(clip),
-            "--delayed-param", "0", "--zero-init", "true", "--train-batch-size", "2", "--microbatches", "2"]
+    args = ["--steps", "3", "--optimizer", "sgd", "--lr", "0.5", "--grad-clip", str(clip), "--delayed-param", "0",
+            "--zero-init", "true", "--train-batch-size", "2", "--microbatches", "2", "--fine-tune", "1",
+            "--model-dir", str(tmp_path / "pretrained")]
     reports = run_torchrun(GPT2_SCRIPT, 4, args, timeout_s=500)
-    ref = _gpt2_reference(world=4, steps=3, batch=2, optimizer="sgd", lr=0.5, clip=clip)
+    ref = _gpt2_reference(world=4, steps=3, batch=2, optimizer="sgd", lr=0.5, clip=clip,
+                          pretrained=tmp_path / "pretrained")
     _check_gpt2_run(reports, ref, world=4, clip=clip, weight_atol=1e-6)
 
 

@@ -1,7 +1,8 @@
 """GPT-2 pre-training with sharded data parallelism, written the way SMP's GPT-2 example scripts were.
 
-smp.init with a config dict built from arguments, a Hugging Face model built from its config inside
-``smp.model_creation(...)`` (transformers imports the model code lazily, there), parameter groups
+smp.init with a config dict built from arguments, a Hugging Face model built from its config (or, to
+fine-tune, loaded with ``from_pretrained``) inside ``smp.model_creation(...)`` (transformers imports the
+model code lazily, there), parameter groups
 split by weight decay, ``smp.DistributedModel`` / ``smp.DistributedOptimizer``, an ``@smp.step``
 function with ``model.backward``, ``optimizer.step()`` at the accumulation boundary, SDP clipping
 through ``sdp_gradient_clipping``, and the ZeRO optimizer's state read through the
@@ -39,6 +40,8 @@ def parse_args():
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--fine-tune", type=int, default=0)
+    parser.add_argument("--model-dir", default=None, help="a save_pretrained folder to fine-tune from")
     return parser.parse_args()
 
 
@@ -91,7 +94,10 @@ def main():
     zero_init = {"default": None, "true": True, "false": False}[args.zero_init]
     with smp.model_creation(tensor_parallelism=False, zero_init=zero_init, dtype=torch.get_default_dtype(),
                             distribute_embedding=False, fused_softmax=True, fused_bias_gelu=False):
-        model = AutoModelForCausalLM.from_config(model_config())
+        if args.fine_tune > 0 and args.delayed_param == 0:
+            model = AutoModelForCausalLM.from_pretrained(args.model_dir)
+        else:
+            model = AutoModelForCausalLM.from_config(model_config())
     born_partitioned = all(hasattr(p, "ds_tensor") for p in model.parameters())
 
     # A dtype other than the training precision cannot be honoured for partitioned creation.
