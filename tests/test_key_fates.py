@@ -41,7 +41,8 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "ddp_dist_backend": ("tests/engine/test_key_effects_dist.py::test_mapped_keys_reach_the_running_deepspeed_engine",),
     "shard_optimizer_state": ("tests/engine/test_key_effects_dist.py::test_mapped_keys_reach_the_running_deepspeed_engine",),
     "delayed_parameter_initialization": (
-        "tests/engine/test_mics_smp_api.py::test_smp_script_with_delayed_sharded_parameters_matches_single_process",),
+        "tests/engine/test_mics_smp_api.py::test_smp_script_with_delayed_sharded_parameters_matches_single_process",
+        "tests/scripts/test_model_creation_scripts.py::test_gpt2_sdp_script_with_delayed_init_and_adamw_matches_single_process"),
     "fp16": ("tests/engine/test_train_dist.py::test_fp16_overflow_skips_the_step_and_lowers_the_scale",),
     "fp16_params": ("tests/engine/test_key_effects_dist.py::test_deprecated_fp16_params_and_v2_hybrid_shard_degree_reach_the_engine",),
     "bf16": ("tests/engine/test_key_effects_dist.py::test_mapped_keys_reach_the_running_deepspeed_engine",
