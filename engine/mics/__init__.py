@@ -29,8 +29,11 @@ Public surface (for the engine core; all collective calls must run on every rank
     Context manager: parameters created inside are born partitioned over the shard group
     (``deepspeed.zero.Init``); for ``delayed_parameter_initialization``,
     ``smp.delay_param_initialization()`` and ``smp.model_creation()``. Lazily imported modules
-    (``torch._dynamo``, Hugging Face model code) work inside it, and Hugging Face's
-    ``_init_weights`` runs on gathered parameters, so a seeded model gets the eager weights.
+    (``torch._dynamo``, Hugging Face model code) work inside it, Hugging Face's ``_init_weights``
+    runs on gathered parameters (a seeded model gets the eager weights) and ``from_pretrained``
+    loads into the partitions (``param_creation``).
+``import_lazy_modules()``
+    Import what must not be imported for the first time under ``zero.Init`` (called by the above).
 ``initialize(model, optimizer, ds_config, groups, hierarchical=None, lr_scheduler=None) -> (engine, optimizer)``
     ``deepspeed.initialize`` with the shard-group mpu; replicas start identical; the optimizer's
     ``step`` carries the replica all-reduce (``optimizer.mics_replica_syncs`` counts it);

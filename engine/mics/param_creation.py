@@ -1,8 +1,7 @@
 """Parameters born partitioned over the MiCS shard group, with the values the model's own init gives.
 
 ``mics_init_context`` wraps DeepSpeed's ``zero.Init`` for ``delayed_parameter_initialization`` and
-``smp.model_creation(zero_init=True)``. Three things go wrong with a bare ``zero.Init`` and are
-repaired here:
+``smp.model_creation(zero_init=True)``. What goes wrong with a bare ``zero.Init`` is repaired here:
 
 * **Lazy imports.** ``zero.Init`` replaces ``torch.Tensor.__new__`` with a Python function while
   it is active. ``torch._dynamo`` checks the signature of ``Tensor.__new__`` when it is first
@@ -19,7 +18,13 @@ repaired here:
   rank's result is re-partitioned. The init functions run in the model's own order on full
   tensors, so a seeded model gets exactly the weights an eagerly built one gets.
   (``Module.apply``-based inits are gathered by DeepSpeed itself.)
+* **Hugging Face loading.** ``from_pretrained`` builds on the meta device and copies whole tensors
+  unless transformers believes ZeRO-3 is on; while the context lasts it is told so (and that
+  ``zero.Init`` is already active), and loads the checkpoint through gathered parameters.
 * **Group-local broadcast source** for DeepSpeed's ``Module.apply`` wrapper (see below).
+
+Hugging Face repairs need ``transformers`` imported before the context is entered (scripts import
+it at the top); models of a transformers first imported inside the block keep the bare behaviour.
 """
 
 from __future__ import annotations

@@ -211,3 +211,19 @@ def test_unfreezing_with_add_param_group_under_sharded_data_parallelism():
         assert "add every group before the first step" in rep["late_unfreeze"]
         assert rep["group_lrs"] == [0.1, 0.05]
     _check_unfreeze(reports, losses, weights)
+
+
+def test_transformers_and_deepspeed_names_param_creation_relies_on_still_exist():
+    """engine/mics/param_creation.py leans on these; on an upgrade this names what to re-check."""
+    import inspect
+
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from transformers import modeling_utils
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    params = list(inspect.signature(modeling_utils.PreTrainedModel._initialize_weights).parameters)
+    assert params[:2] == ["self", "module"], "PreTrainedModel._initialize_weights(self, module, ...) changed"
+    assert hasattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref") and hasattr(hf_deepspeed, "set_hf_deepspeed_config")
+    assert "_hf_deepspeed_config_weak_ref" in inspect.getsource(hf_deepspeed.is_deepspeed_zero3_enabled)
+    assert hasattr(modeling_utils, "set_zero3_state"), "transformers no longer skips nested zero.Init this way"
+    assert hasattr(ZeroParamStatus, "NOT_AVAILABLE")
