@@ -12,7 +12,8 @@ Integration surface for the engine core (``smp.init`` / ``DistributedModel`` / `
     runner = pipeline.build_pipeline(module, plan, topology)
     #   plan: the translator's Plan (pipeline.plan_for(cfg_dict) for tests)
     #   topology: smp2ds.translator.topology.Topology
-    #   -> raises SMPConfigError (ZeRO-2/3 override), UnsupportedModelError (no layer list)
+    #   -> raises SMPConfigError (ZeRO-2/3 override), UnsupportedModelError (a model torch.fx cannot
+    #      trace or cut; the named families and nn.Sequential always have a layer list)
 
     # DistributedOptimizer(opt): keep this stage's parameters; before the first step
     runner.attach_optimizer(opt)
@@ -34,7 +35,10 @@ Integration surface for the engine core (``smp.init`` / ``DistributedModel`` / `
 
 Supported step functions: ``out = model(...)`` then a loss computed from ``out`` (any code) or
 taken from it (Hugging Face ``labels`` -> ``out.loss``), then ``model.backward(loss)``; one
-model call per step function. See `runner` for what runs where.
+model call per step function. As in SMP the step runs with the first stage's arguments (scripts
+may pass dummies on the other stages; `step_inputs`). Models: the families in ``families/`` and
+any other module whose forward ``torch.fx`` traces (``families/traced``, `fx_trace`,
+`fx_segments`). See `runner` for what runs where.
 """
 
 from __future__ import annotations
