@@ -89,7 +89,12 @@ class TracedLayer(nn.Module):
             if not isinstance(value, torch.Tensor):
                 raise SegmentError(f"value {name!r} crosses from one pipeline layer to a later one but is a "
                                    f"{type(value).__name__}, not a tensor")
-        return self._anchor(values, out) if torch.is_grad_enabled() else out
+        if not torch.is_grad_enabled():
+            return out
+        # DeepSpeed backpropagates every floating-point tensor a stage sends; one without a graph
+        # (the input data passed on to a later layer, a constant) becomes a leaf that accepts it.
+        out = tuple(t.detach().requires_grad_() if t.is_floating_point() and not t.requires_grad else t for t in out)
+        return self._anchor(values, out)
 
     @classmethod
     def _anchor_final(cls, inputs: tuple, out: Any) -> Any:

@@ -257,3 +257,26 @@ def test_step_inputs_keep_mappings_and_named_tuples():
     assert type(args[0]) is Batch and torch.equal(args[0].labels, torch.tensor([5, 6]))
     assert type(args[1]) is collections.OrderedDict and list(args[1]) == ["ids", "mask"]
     assert torch.equal(args[1]["mask"], torch.ones(3))
+
+
+class SkipInput(nn.Module):
+    """The input data is used again after the cut: it crosses stages next to the activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c, self.b = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(torch.cat([self.c(torch.tanh(self.a(x))), x], dim=1))
+
+
+def test_every_floating_value_a_layer_sends_accepts_a_gradient():
+    """As DeepSpeed's non-last stage does: ``out.backward(grad)`` for each floating output it sent."""
+    layer_list = build_layer_list(SkipInput())
+    first = layer_list.layers[0].entry
+    assert first.output_names == ("x", "tanh")
+    x = torch.randn(3, 4)  # first-stage data: no gradient
+    outputs = first((x,))
+    for out in outputs:
+        out.backward(torch.ones_like(out), retain_graph=True)
+    assert layer_list.layers[0].entry.graph_module.a.weight.grad is not None

@@ -31,11 +31,11 @@ def _script_module():
     return module
 
 
-def reference(steps: int, dp: int, micro: int, optimizer: str, clip: float) -> dict:
+def reference(steps: int, dp: int, micro: int, optimizer: str, clip: float, model: str = "grouped") -> dict:
     """Plain PyTorch on one process: SMP's averaging over micro-batches and replicas, torch's clipping."""
     script = _script_module()
     torch.manual_seed(0)
-    model = script.GroupedNet()
+    model = script.MODELS[model]()
     opt = script.make_optimizer(optimizer, model.parameters())
     losses, norms = [], []  # losses[step][dp_rank] = per-micro-batch losses
     for step in range(steps):
@@ -64,8 +64,8 @@ def reference(steps: int, dp: int, micro: int, optimizer: str, clip: float) -> d
 
 
 def check_against_reference(results: list[dict], *, steps: int, dp: int, micro: int, optimizer: str,
-                            clip: float) -> dict:
-    ref = reference(steps, dp, micro, optimizer, clip)
+                            clip: float, model: str = "grouped") -> dict:
+    ref = reference(steps, dp, micro, optimizer, clip, model)
     for res in results:
         label = f"rank {res['rank']} (pp {res['pp_rank']}, dp {res['dp_rank']})"
         expected = [ref["losses"][s][res["dp_rank"]] for s in range(steps)]
@@ -82,17 +82,19 @@ def check_against_reference(results: list[dict], *, steps: int, dp: int, micro: 
 
 
 @pytest.mark.slow
-def test_grouped_net_pp2_data_on_first_stage_only_manual_contexts_adam_gpipe_matches_reference():
+def test_skip_net_pp2_data_on_first_stage_only_manual_contexts_adam_gpipe_matches_reference():
     """pp 2 on 2 ranks, 4 micro-batches, GPipe (``pipeline: simple``), Adam, and SMP's MNIST placement:
-    ``with smp.partition(i)`` around each child with ``auto_partition: false``."""
+    ``with smp.partition(i)`` around each child with ``auto_partition: false``. ``net2`` also takes the
+    raw image, so the input data crosses the stage boundary next to the activation."""
     steps, micro = 3, 4
-    results = run_torchrun(SCRIPT, 2, ["--steps", str(steps), "--optimizer", "adam", "--partition", "contexts"],
+    results = run_torchrun(SCRIPT, 2, ["--steps", str(steps), "--optimizer", "adam", "--partition", "contexts",
+                                       "--model", "skip"],
                            smp_parameters={"partitions": 2, "microbatches": micro, "pipeline": "simple",
                                            "auto_partition": False, "default_partition": 0, "ddp": True})
-    check_against_reference(results, steps=steps, dp=1, micro=micro, optimizer="adam", clip=0.0)
+    check_against_reference(results, steps=steps, dp=1, micro=micro, optimizer="adam", clip=0.0, model="skip")
     assert [r["pp_rank"] for r in results] == [0, 1]
     assert results[0]["local_modules"] == ["net1.conv1", "net1.conv2"]
-    assert results[1]["local_modules"] == ["net2.fc1", "net2.fc2"]
+    assert results[1]["local_modules"] == ["net2.fc1", "net2.fc2", "net2.skip"]
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """An SMP MNIST-style pipeline script, run unchanged by the script tests (never edited for smp2ds).
 
 Written as SMP's MNIST example and CI test are: a ``GroupedNet`` whose ``forward`` chains two
-custom children (``net1`` convolutions, ``net2`` dense layers), ``smp.init()`` from the
+custom children (``net1`` convolutions, ``net2`` dense layers; ``--model skip``: ``net2`` also
+takes the raw image), ``smp.init()`` from the
 SageMaker environment, ``smp.DistributedModel`` / ``smp.DistributedOptimizer``, an ``@smp.step``
 train step, data loaded on ``pp_rank 0`` only and empty dummies on the other stages, optional
 gradient clipping with ``optimizer.clip_master_grads`` and an evaluation step. Synthetic data
@@ -48,6 +49,34 @@ class Net2(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
+class SkipNet2(Net2):
+    """``Net2`` that also sees the raw image: the input data crosses to the second stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.skip = nn.Linear(196, 10)
+
+    def forward(self, h, x):
+        h = self.dropout(F.relu(self.fc1(h)))
+        return F.log_softmax(self.fc2(h) + self.skip(torch.flatten(x, 1)), dim=1)
+
+
+class SkipNet(nn.Module):
+    def __init__(self, contexts: bool = False):
+        super().__init__()
+        if contexts:
+            with smp.partition(0):
+                self.net1 = Net1()
+            with smp.partition(1):
+                self.net2 = SkipNet2()
+        else:
+            self.net1 = Net1()
+            self.net2 = SkipNet2()
+
+    def forward(self, x):
+        return self.net2(self.net1(x), x)
+
+
 class GroupedNet(nn.Module):
     def __init__(self, contexts: bool = False):
         super().__init__()
@@ -62,6 +91,9 @@ class GroupedNet(nn.Module):
 
     def forward(self, x):
         return self.net2(self.net1(x))
+
+
+MODELS = {"grouped": GroupedNet, "skip": SkipNet}
 
 
 def global_batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,12 +128,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--partition", choices=["auto", "contexts"], default="auto")
+    parser.add_argument("--model", choices=sorted(MODELS), default="grouped")
     parser.add_argument("--clip", type=float, default=0.0)
     args = parser.parse_args()
 
     smp.init()
     torch.manual_seed(0)
-    model = GroupedNet(contexts=args.partition == "contexts")
+    model = MODELS[args.model](contexts=args.partition == "contexts")
     model = smp.DistributedModel(model)
     optimizer = smp.DistributedOptimizer(make_optimizer(args.optimizer, model.parameters()))
 
