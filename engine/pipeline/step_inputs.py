@@ -46,20 +46,28 @@ def _is_named_tuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-def encode(obj: Any) -> Any:
-    """The first stage's arguments as something cheap to pickle (see the module docstring)."""
+def encode(obj: Any, memo: dict[int, collectives.Packed] | None = None) -> Any:
+    """The first stage's arguments as something cheap to pickle (see the module docstring).
+
+    ``memo`` packs a tensor passed several times (``labels=input_ids``, a ``non_split_inputs``
+    tensor in every micro-batch) once: pickle then sends the shared object once.
+    """
+    memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
-        return collectives.Packed(obj)
+        packed = memo.get(id(obj))
+        if packed is None:
+            packed = memo[id(obj)] = collectives.Packed(obj)
+        return packed
     if isinstance(obj, _PLAIN):
         return obj
     if type(obj) is dict:
-        return {k: encode(v) for k, v in obj.items()}
+        return {k: encode(v, memo) for k, v in obj.items()}
     if isinstance(obj, Mapping):  # ModelOutput, OrderedDict, a tokenizer's BatchEncoding...
-        return _MappingParts(type(obj), {k: encode(v) for k, v in obj.items()})
+        return _MappingParts(type(obj), {k: encode(v, memo) for k, v in obj.items()})
     if _is_named_tuple(obj):
-        return _NamedTupleParts(type(obj), tuple(encode(v) for v in obj))
+        return _NamedTupleParts(type(obj), tuple(encode(v, memo) for v in obj))
     if type(obj) in (list, tuple):
-        return type(obj)(encode(v) for v in obj)
+        return type(obj)(encode(v, memo) for v in obj)
     return _Local(type(obj).__name__)
 
 
@@ -119,7 +127,9 @@ def _child(local: Any, key: Any) -> Any:
 
 def encode_calls(calls: Sequence[MicroCall]) -> list[tuple[tuple, dict]]:
     """Every micro-batch's ``(args, kwargs)`` of the first stage, ready to broadcast."""
-    return [(tuple(encode(a) for a in args), {k: encode(v) for k, v in kwargs.items()}) for args, kwargs in calls]
+    memo: dict[int, collectives.Packed] = {}
+    return [(tuple(encode(a, memo) for a in args), {k: encode(v, memo) for k, v in kwargs.items()})
+            for args, kwargs in calls]
 
 
 def decode_calls(encoded: Sequence[tuple[tuple, dict]], local_calls: Sequence[MicroCall]) -> list[MicroCall]:

@@ -280,3 +280,14 @@ def test_every_floating_value_a_layer_sends_accepts_a_gradient():
     for out in outputs:
         out.backward(torch.ones_like(out), retain_graph=True)
     assert layer_list.layers[0].entry.graph_module.a.weight.grad is not None
+
+
+def test_a_tensor_passed_twice_is_sent_once():
+    import pickle
+
+    ids = torch.arange(1000)
+    once = pickle.dumps(step_inputs.encode_calls([((ids,), {})]))
+    twice = pickle.dumps(step_inputs.encode_calls([((ids,), {"labels": ids})]))
+    assert len(twice) < len(once) + 100
+    (args, kwargs), = step_inputs.decode_calls(pickle.loads(twice), [((None,), {})])
+    assert torch.equal(args[0], ids) and torch.equal(kwargs["labels"], ids)
