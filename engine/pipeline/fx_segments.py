@@ -26,6 +26,7 @@ import torch
 from torch import fx, nn
 
 from smp2ds.engine.pipeline.fx_trace import TracedModel
+from smp2ds.engine.pipeline.layers import UnsupportedModelError
 
 _NON_TENSOR_METHODS = {"size", "dim", "ndimension", "numel", "nelement", "item", "tolist", "stride",
                        "element_size", "get_device", "is_contiguous", "is_floating_point", "chunk", "split",
@@ -35,7 +36,7 @@ _NON_TENSOR_FUNCTIONS = {getattr, len, torch.split, torch.chunk, torch.unbind, t
 _TUPLE_MODULES = (nn.RNNBase, nn.MultiheadAttention)
 
 
-class SegmentError(Exception):
+class SegmentError(UnsupportedModelError):
     """A layer produced a value that cannot cross to the next layer (found at run time)."""
 
 
@@ -88,7 +89,8 @@ class TracedLayer(nn.Module):
         for name, value in zip(self.output_names, out):
             if not isinstance(value, torch.Tensor):
                 raise SegmentError(f"value {name!r} crosses from one pipeline layer to a later one but is a "
-                                   f"{type(value).__name__}, not a tensor")
+                                   f"{type(value).__name__}, not a tensor; only tensors travel between pipeline "
+                                   "stages: compute it inside one torch.nn module, or make it a tensor")
         if not torch.is_grad_enabled():
             return out
         # DeepSpeed backpropagates every floating-point tensor a stage sends; one without a graph
@@ -160,7 +162,7 @@ def split_traced(traced: TracedModel, model: nn.Module) -> tuple[list[Segment], 
     for a, b in zip(cuts, cuts[1:]):
         final = b == len(nodes)
         inputs, outputs = lives[a], () if final else lives[b]
-        segments.append(_build(traced, resolver, nodes[a:b], inputs, outputs, output if final else None))
+        segments.append(_build(resolver, nodes[a:b], inputs, outputs, output if final else None))
     return segments, why_not
 
 
@@ -266,7 +268,7 @@ class _Resolver:
         return []
 
 
-def _build(traced: TracedModel, resolver: _Resolver, nodes: list[fx.Node], inputs: tuple, outputs: tuple,
+def _build(resolver: _Resolver, nodes: list[fx.Node], inputs: tuple, outputs: tuple,
            output: fx.Node | None) -> Segment:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

@@ -291,3 +291,20 @@ def test_a_tensor_passed_twice_is_sent_once():
     assert len(twice) < len(once) + 100
     (args, kwargs), = step_inputs.decode_calls(pickle.loads(twice), [((None,), {})])
     assert torch.equal(args[0], ids) and torch.equal(kwargs["labels"], ids)
+
+
+class MaxAcross(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        best = torch.max(self.a(x), dim=1)  # a (values, indices) tuple, not a tensor
+        return self.b(x) + best.values[:, None]
+
+
+def test_a_non_tensor_crossing_layers_is_refused_at_run_time_with_its_name():
+    layer_list = build_layer_list(MaxAcross())
+    with pytest.raises(UnsupportedModelError, match=r"value 'max_1' crosses from one pipeline layer to a later one "
+                                                     r"but is a max, not a tensor; only tensors travel"):
+        run_layers(layer_list, (torch.randn(2, 4),))
