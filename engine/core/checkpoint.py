@@ -7,8 +7,12 @@
         model_<pp>_<tp>.pt                    rdp_rank 0: model.local_state_dict()
         optimizer_states_<pp>_<tp>[_<rdp>].pt rdp_rank 0, or every rank with shard_optimizer_state
         user_content.pt, smp_config.pt        rank 0
+        smp2ds_manifest.json                  rank 0, last: every file's size/SHA-256/rank, the layout
       <tag>, user_content_<tag>               partial=False: full model state dict (rank 0)
       newest                                  one "<tag>_partial" per line, last = newest
+
+A partial checkpoint is staged in a hidden folder and renamed into place once sealed
+(:mod:`checkpoint_commit`); resume checks it against its manifest (:mod:`checkpoint_verify`).
 
 fp16 loss-scaler and master-weight state travel inside the optimizer file (DeepSpeed keeps
 them in its optimizer state), so no separate ``fp16_states_*`` file is written.

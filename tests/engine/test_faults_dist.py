@@ -58,6 +58,12 @@ def test_config_error_on_one_rank_only_stops_every_rank_and_is_reported_once():
     assert runs[1].stderr.count("invalid SMP configuration") == 1  # printed by the rank that has it
 
 
+def _line_of(code: str) -> int:
+    """Line number of ``code`` in stuck_rank.py (the messages name the line where the rank is)."""
+    with open(os.path.join(HERE, "scripts", "stuck_rank.py")) as handle:
+        return next(n for n, line in enumerate(handle, 1) if code in line)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["sleep", "alone"])
 def test_a_rank_alive_but_stuck_stops_every_rank_naming_it(tmp_path, how):
@@ -74,11 +80,11 @@ def test_a_rank_alive_but_stuck_stops_every_rank_naming_it(tmp_path, how):
         assert r.ended_at - stuck_at < STUCK_TIMEOUT + 10, (r.rank, r.ended_at - stuck_at)
         assert "smp2ds: rank" in r.stderr and "stops because" in r.stderr, r.stderr[-2000:]
     if how == "sleep":
-        assert "rank 1 is not in a collective at stuck_rank.py:35 in <module>, step 3" in text, text[-3000:]
+        assert f"rank 1 is not in a collective at stuck_rank.py:{_line_of('time.sleep(3600)')} in <module>, step 3" in text, text[-3000:]
         assert "rank 0 waited" in text
     else:
         assert "rank 1 is in collective" in text or "rank 0 is in collective" in text, text[-3000:]
-        assert "stuck_rank.py:37 in <module>" in text, text[-3000:]
+        assert f"stuck_rank.py:{_line_of('smp.allgather((')} in <module>" in text, text[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -102,3 +108,38 @@ def test_timeout_knob_defaults_derive_the_collective_timeout_from_the_watchdog_o
     assert launch_env.pg_timeout_s({"SMP2DS_COMM_TIMEOUT": "10"}) == 40.0  # 10 + 30: the watchdog acts first
     assert launch_env.pg_timeout_s({"SMP2DS_COMM_TIMEOUT": "0"}) == 1800.0  # watchdog off: torch's usual
     assert launch_env.pg_timeout_s({"SMP2DS_PG_TIMEOUT": "90", "SMP2DS_COMM_TIMEOUT": "10"}) == 90.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_a_stuck_rank_is_named_within_the_same_bound_under_the_launchers(tmp_path, launcher):
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from tests._dist import BASE_ENV
+
+    program = shutil.which(launcher)
+    assert program, f"{launcher} is not installed"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    mark = str(tmp_path / "stuck_at")
+    script = [os.path.join(HERE, "scripts", "stuck_rank.py"), "1", "sleep"]
+    command = ([program, "--nproc-per-node", "2", "--master-port", port, *script] if launcher == "torchrun"
+               else [program, "--num_gpus", "2", "--master_port", port, *script])
+    env = dict(os.environ, **BASE_ENV, SMP2DS_COMM_TIMEOUT=str(STUCK_TIMEOUT), FAULT_MARK=mark,
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SMP2DS_INIT_METHOD"):
+        env.pop(name, None)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False,
+                          cwd=str(tmp_path))
+    ended = time.time()
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-3000:]
+    assert f"rank 1 is not in a collective at stuck_rank.py:{_line_of('time.sleep(3600)')} in <module>, step 3" in text, text[-3000:]
+    with open(mark) as handle:
+        stuck_at = float(handle.read())
+    assert ended - stuck_at < STUCK_TIMEOUT + 15, ended - stuck_at  # the launcher exits too, not only ranks

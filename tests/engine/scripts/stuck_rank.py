@@ -14,7 +14,8 @@ import torch
 
 import smdistributed.modelparallel.torch as smp
 
-victim, how = int(sys.argv[1]), sys.argv[2]
+args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
+victim, how = int(args[0]), args[1]
 smp.init({"ddp": True})
 model = smp.DistributedModel(torch.nn.Linear(4, 1))
 opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
