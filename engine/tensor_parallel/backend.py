@@ -62,16 +62,25 @@ class TensorParallelBackend(DataParallelBackend):
                 f"their batches, which needs equal batch sizes; got {sizes}. Give every rank the same batch "
                 "size (DistributedSampler with drop_last=True)")
 
+    def build(self, optimizer: torch.optim.Optimizer | None = None, loss_scale: Any = None) -> None:
+        super().build(optimizer, loss_scale)
+        if self.has_optimizer and not self.tp.prescaled_batch and self._grad_hooks is None \
+                and hasattr(self.ds_optimizer, "update_hp_grads"):
+            # DeepSpeed's bf16 optimizer takes each backward's gradients into its fp32 buffers at once
+            self._grad_hooks = grads.install_group_batch_hooks(self.module.parameters(), self.tp)
+
+    _grad_hooks: list | None = None
+
     def sync_gradients(self) -> None:
         if not self._pending_backward or self.synced:
             return
-        if not self.tp.prescaled_batch:
+        if not self.tp.prescaled_batch and self._grad_hooks is None:
             grads.combine_group_batches(self.module.parameters(), self.tp)
         super().sync_gradients()
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        if self.zero_stage >= 1 or self.precision != "fp32":
-            # DeepSpeed's optimizers compute the norm with the mpu (shards once, replicas once)
+        if self.zero_stage >= 1:
+            # DeepSpeed's ZeRO optimizer computes the norm with the mpu (shards once, replicas once)
             return super().grad_norm(norm_type)
         self.sync_gradients()
         return grads.grad_norm(self.module.parameters(), self.tp, norm_type) / self.loss_scale

@@ -50,6 +50,22 @@ def combine_group_batches(params: Iterable[torch.nn.Parameter], tp: TPGroup) -> 
             offset += g.numel()
 
 
+def install_group_batch_hooks(params: Iterable[torch.nn.Parameter], tp: TPGroup) -> list:
+    """The same correction applied to every micro-batch's gradient as autograd produces it.
+
+    For optimizers that move each backward's gradients into their own buffers at once (DeepSpeed's
+    bf16 optimizer), so that ``p.grad`` after the micro-batch loop is no longer what gets reduced.
+    Costs one all-reduce per parameter and micro-batch for parameters outside regions."""
+
+    def scaled(g: torch.Tensor) -> torch.Tensor:
+        return g / tp.size
+
+    def own_batch(g: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce(g.clone(), group=tp.handle).div_(tp.size)
+
+    return [p.register_hook(scaled if is_scaled_batch(p) else own_batch) for p in params if p.requires_grad]
+
+
 def grad_norm(params: Iterable[torch.nn.Parameter], tp: TPGroup, norm_type: float = 2.0) -> torch.Tensor:
     """Norm of the model's gradients across the tensor-parallel group (shards summed, replicas once)."""
     sharded, replicated = [], []

@@ -140,10 +140,54 @@ def _train(smp: Any, phase: dict, b: int) -> dict:
             out["norms"].append(float(opt.clip_master_grads(phase["clip"])))
         opt.step()
         opt.zero_grad()
-    out["weights"] = model.state_dict()
-    out["local"] = model.local_state_dict()
+    out["weights"] = _copy(model.state_dict())  # copies: the checkpoint phase trains on
+    out["local"] = _copy(model.local_state_dict())
     out["data_rank"], out["data_ranks"] = data_rank, data_ranks
+    if phase.get("checkpoint"):
+        out["checkpoint"] = _checkpoint_round_trip(smp, phase, model, opt, train_step, data_rank, data_ranks, b)
     return out
+
+
+def _copy(sd: dict) -> dict:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+
+
+def _checkpoint_round_trip(smp: Any, phase: dict, model: Any, opt: Any, train_step: Any, data_rank: int,
+                           data_ranks: int, b: int) -> dict:
+    """Partial checkpoint (one file per tp rank) -> fresh model and optimizer -> resume: the next step
+    equals the uninterrupted one. Also writes a full checkpoint for the test to load at tp 1."""
+    import os
+
+    kind, path = phase["model"], os.path.join(os.environ["SMP2DS_TEST_TMPDIR"], "tp_ckpt")
+    smp.save_checkpoint(path, "partial", partial=True, model=model, optimizer=opt)
+    smp.save_checkpoint(path, "full", partial=False, model=model)
+    smp.barrier()
+    full = {k: v for k, v in torch.load(os.path.join(path, "full"), weights_only=False).items()
+            if not k.startswith("_smp")}
+    plain_tp1 = hf_model(kind, phase["seed"] + 2000)  # a plain model: what tensor_parallel_degree 1 loads
+    plain_tp1.load_state_dict(full, strict=True)
+    at_tp1 = plain_tp1.state_dict()
+    ids = global_ids(phase["steps"], data_ranks * b)[data_rank * b:(data_rank + 1) * b]
+    train_step(model, ids)
+    opt.step()
+    uninterrupted = _copy(model.state_dict())
+    smp.reset()
+    with smp.model_creation(tensor_parallelism=True):
+        net = hf_model(kind, phase["seed"] + 1000)  # other weights: the checkpoint must replace them
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(make_optimizer(phase["optimizer"], model.parameters()))
+    smp.resume_from_checkpoint(path, tag="partial", partial=True)
+
+    @smp.step
+    def step_again(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(kind, model, ids)
+        model.backward(loss)
+        return loss
+
+    step_again(model, ids)
+    opt.step()
+    files = sorted(os.listdir(os.path.join(path, "partial_partial")))
+    return {"uninterrupted": uninterrupted, "resumed": model.state_dict(), "files": files, "full_at_tp1": at_tp1}
 
 
 def run_tensor_parallel(config: dict, phases: list[dict], b: int) -> list[dict]:
