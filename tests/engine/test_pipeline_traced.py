@@ -154,6 +154,21 @@ def test_tracing_failure_names_the_module_the_construct_and_the_manual_route():
     assert "tracing failed in BranchesInChild.inner: TraceError: symbolically traced variables cannot be used as " \
            "inputs to control flow" in text
     assert "torch.nn.Sequential" in text and "smp.set_partition(child, i)" in text
+    assert "transformers GPT2LMHeadModel" in text  # the named families are the other way out
+
+
+class AllDefaults(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x=None):
+        return self.b(self.a(x))
+
+
+def test_a_forward_without_tensor_inputs_is_refused():
+    with pytest.raises(UnsupportedModelError, match=r"every argument of its forward\(x=None\) has a default"):
+        build_layer_list(AllDefaults())
 
 
 class SizeAcross(nn.Module):

@@ -17,7 +17,7 @@ from torch import nn
 
 from smp2ds.engine.pipeline.fx_segments import split_traced
 from smp2ds.engine.pipeline.fx_trace import TracedModel, TraceFailure, trace_model
-from smp2ds.engine.pipeline.layers import LayerList, PipeLayer, UnsupportedModelError
+from smp2ds.engine.pipeline.layers import SUPPORTED, LayerList, PipeLayer, UnsupportedModelError
 
 MANUAL_ROUTE = ("express the model as a torch.nn.Sequential whose children each take and return one tensor (or a "
                 "tuple of tensors), with the loss computed from its output inside the @smp.step function; stage "
@@ -90,22 +90,22 @@ def build(model: nn.Module) -> LayerList:
         raise UnsupportedModelError(
             f"pipeline parallelism splits a {name} by tracing its forward with torch.fx, and tracing failed in "
             f"{exc.module}: {exc.reason}. Python control flow on tensor values, data-dependent shapes and "
-            f"untraceable calls stop torch.fx; make that forward traceable, or {MANUAL_ROUTE}.") from exc
+            f"untraceable calls stop torch.fx; make that forward traceable, or use a model with a pipeline layer "
+            f"list ({', '.join(SUPPORTED)}), or {MANUAL_ROUTE}.") from exc
+    if not traced.inputs:
+        raise UnsupportedModelError(
+            f"pipeline parallelism cannot split a {name}: every argument of its forward{traced.signature} has a "
+            "default, and a traced pipeline model takes its tensors through arguments without one (arguments "
+            f"with a default are traced at it); give the tensor arguments no default, or {MANUAL_ROUTE}.")
     segments, why_not = split_traced(traced, model)
     if len(segments) < 2:
         reasons = "; ".join(why_not[:3]) or "it uses no parameters in more than one torch.nn module"
         raise UnsupportedModelError(
             f"pipeline parallelism cannot split a {name}: its traced forward has no place to cut between stages "
-            f"({reasons}). Pipeline layer lists exist for {', '.join(_named_families())}; for other models, "
+            f"({reasons}). Pipeline layer lists exist for {', '.join(SUPPORTED)}; for other models, "
             f"{MANUAL_ROUTE}.")
     layers = tuple(PipeLayer(name=s.name, entry=s.layer, modules=(s.layer,), owners=s.owners) for s in segments)
     slots = tuple(slot for s in segments for slot in s.buffer_slots)
     return LayerList(family="torch.fx traced", layers=layers, adapter=TracedAdapter(traced, type(model).__name__),
                      model=model, buffer_slots=slots)
-
-
-def _named_families() -> tuple[str, ...]:
-    from smp2ds.engine.pipeline.layers import SUPPORTED
-
-    return SUPPORTED
 
