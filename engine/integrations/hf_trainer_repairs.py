@@ -20,7 +20,10 @@ when SMP is not enabled.
 1. Optimizer creation. transformers 5 delays optimizer creation under SMP but then never creates
    it (``create_scheduler`` fails on ``None``, as on real SMP), and never wraps an optimizer given
    as ``optimizers=(opt, ...)`` in ``smp.DistributedOptimizer``. Both happen right before the
-   scheduler is built, after the model was wrapped: the order transformers 4.x used.
+   scheduler is built, after the model was wrapped: the order transformers 4.x used. Releases
+   that do create it (5.0) then hand it to ``accelerator.prepare``, whose ``AcceleratedOptimizer``
+   hides the SMP methods the Trainer calls (``local_state_dict``, ``clip_master_grads``): under
+   SMP the accelerator leaves a ``DistributedOptimizer`` as it is.
 2. Gradient clipping and the logged norm. Only fp16 runs clip through
    ``optimizer.clip_master_grads``; fp32 runs clip ``model.parameters()``' ``.grad``, which
    DeepSpeed's ZeRO-1 (``shard_optimizer_state``) has emptied, so nothing is clipped and the norm
@@ -113,6 +116,15 @@ def _clip_through_optimizer(trainer: Any, accelerator: Any, parameters: Any, max
     return clip(max_norm)
 
 
+def _prepare_optimizer(accelerator: Any, optimizer: Any, device_placement: Any = None) -> Any:
+    """``accelerator.prepare_optimizer`` under SMP: an ``smp.DistributedOptimizer`` stays as it is."""
+    from smp2ds.engine.core.optimizer import DistributedOptimizer
+
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer
+    return type(accelerator).prepare_optimizer(accelerator, optimizer, device_placement=device_placement)
+
+
 def _is_tensor_tree(data: Any) -> bool:
     if isinstance(data, (list, tuple)):
         return all(_is_tensor_tree(d) for d in data)
@@ -168,6 +180,7 @@ def repair_trainer(cls: type) -> None:
             if _smp_enabled():
                 acc = self.accelerator
                 acc.clip_grad_norm_ = functools.partial(_clip_through_optimizer, self, acc)
+                acc.prepare_optimizer = functools.partial(_prepare_optimizer, acc)
                 acc.gather_for_metrics = functools.partial(_gather_over_data_parallel, acc)
                 # the Trainer keeps its own reference (and resets it to the accelerator's after
                 # each evaluation, which now finds this one)
