@@ -61,10 +61,10 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
         "tests/engine/test_activation_offload.py::test_horizon_comes_from_the_running_plan"),
     "tensor_parallel_degree": (
         "tests/engine/test_tensor_parallel_dist.py::test_tp2_trains_hugging_face_families_and_an_smp_mlp_like_single_process",
-        "tests/engine/test_tensor_parallel_dist.py::test_tp2_rdp2_on_four_ranks_matches_single_process"),
+        "tests/engine/test_tensor_parallel_dist.py::test_tp2_rdp2_and_tp4_on_four_ranks_match_single_process"),
     "tensor_parallel_seed": (
         "tests/engine/test_tensor_parallel_dist.py::test_tp2_trains_hugging_face_families_and_an_smp_mlp_like_single_process",),
-    "prescaled_batch": ("tests/engine/test_tensor_parallel_dist.py::test_tp2_rdp2_on_four_ranks_matches_single_process",),
+    "prescaled_batch": ("tests/engine/test_tensor_parallel_dist.py::test_tp2_rdp2_and_tp4_on_four_ranks_match_single_process",),
     "hybrid_shard_degree": ("tests/engine/test_key_effects_dist.py::test_deprecated_fp16_params_and_v2_hybrid_shard_degree_reach_the_engine",),
 }
 """key -> tests (``path`` or ``path::function``) that show its effect at run time."""

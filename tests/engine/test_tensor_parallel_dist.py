@@ -6,7 +6,7 @@ sharded weight each rank holds, the shard shapes of ``local_state_dict()``, and 
 ``tensor_parallel_seed`` gives ``smp.nn`` modules. Layouts: tp 2 on 2 ranks (prescaled_batch false,
 micro-batches 2, checkpoints: partial per tp rank and resume, full loaded at tp 1) and tp 2 x rdp 2
 on 4 ranks with prescaled_batch true, and false with placement ``spread`` and ZeRO-1
-(``shard_optimizer_state``) over the rdp group.
+(``shard_optimizer_state``) over the rdp group; tp 4 on 4 ranks.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ RUNS = {
                                   "shard_optimizer_state": True}, [
         {"model": "gpt2", "optimizer": "adamw", "seed": 8, "steps": 2},
         {"model": "llama", "optimizer": "sgd", "seed": 9, "steps": 2, "clip": 0.5},
+    ]),
+    "tp4": (4, {"ddp": True, "tensor_parallel_degree": 4, "microbatches": 2}, [
+        {"model": "gpt2", "optimizer": "sgd", "seed": 10, "steps": 2, "clip": 0.5},
+        {"model": "mlp", "optimizer": "adamw", "seed": 11, "steps": 2},
     ]),
 }
 
@@ -122,12 +126,15 @@ def _check_fresh_weights(per_rank: list, seed: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run_id", ["tp2-rdp2-prescaled", "tp2-rdp2-spread-zero1"])
-def test_tp2_rdp2_on_four_ranks_matches_single_process(run_id):
+@pytest.mark.parametrize("run_id", ["tp2-rdp2-prescaled", "tp2-rdp2-spread-zero1", "tp4"])
+def test_tp2_rdp2_and_tp4_on_four_ranks_match_single_process(run_id):
     world, config, phases = RUNS[run_id]
     per_rank = run_ranks(tw.run_tensor_parallel, world, config, phases, B)
     _check_run(run_id, per_rank)
     groups = [r[-1]["ranks"] for r in per_rank]
+    if config["tensor_parallel_degree"] == 4:
+        assert all(list(g["tp_group"]) == [0, 1, 2, 3] and tuple(g["rdp"])[1] == 1 for g in groups)
+        return
     if config.get("placement_strategy") == "spread":  # TPD: D varies fastest
         assert [list(g["tp_group"]) for g in groups] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     else:
