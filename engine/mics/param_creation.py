@@ -23,8 +23,8 @@
   ``zero.Init`` is already active), and loads the checkpoint through gathered parameters.
 * **Group-local broadcast source** for DeepSpeed's ``Module.apply`` wrapper (see below).
 
-Hugging Face repairs need ``transformers`` imported before the context is entered (scripts import
-it at the top); models of a transformers first imported inside the block keep the bare behaviour.
+The Hugging Face repairs are installed on entry when transformers is loaded, or else as soon as it
+is first imported inside the block (a builder function importing it itself).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.abc
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -64,8 +65,14 @@ def mics_init_context(ds_config: Mapping[str, Any], groups: MicsGroups, enabled:
     with contextlib.ExitStack() as stack:
         stack.enter_context(_group_local_broadcast_src())
         if enabled:
-            stack.enter_context(_hf_init_on_gathered_parameters())
-            stack.enter_context(_hf_sees_zero3(cfg))
+            def repair_hf(_: Any = None) -> None:
+                stack.enter_context(_hf_init_on_gathered_parameters())
+                stack.enter_context(_hf_sees_zero3(cfg))
+
+            if "transformers.modeling_utils" in sys.modules:
+                repair_hf()
+            else:  # transformers imported inside the block: repair it as soon as it is loaded
+                stack.enter_context(_after_import("transformers.modeling_utils", repair_hf))
         stack.enter_context(deepspeed.zero.Init(data_parallel_group=groups.shard_group, config_dict_or_path=cfg,
                                                 mpu=ShardGroupMPU(groups), enabled=enabled))
         yield
@@ -81,6 +88,50 @@ def import_lazy_modules() -> None:
         importlib.import_module(name)
     if "transformers" in sys.modules:
         importlib.import_module("transformers.modeling_utils")
+
+
+class _CallAfterExec(importlib.abc.Loader):
+    """A loader that runs the real one, then ``then(module)``."""
+
+    def __init__(self, loader: Any, then: Callable[[Any], None]):
+        self.loader, self.then = loader, then
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        self.then(module)
+
+
+class _ImportWatcher(importlib.abc.MetaPathFinder):
+    """Finds ``name`` through the other finders and arranges for ``then(module)`` after it loads."""
+
+    def __init__(self, name: str, then: Callable[[Any], None]):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _CallAfterExec(spec.loader, self.then)
+                return spec
+        return None
+
+
+@contextlib.contextmanager
+def _after_import(name: str, then: Callable[[Any], None]) -> Iterator[None]:
+    """While active, run ``then(module)`` right after module ``name`` is first imported."""
+    watcher = _ImportWatcher(name, then)
+    sys.meta_path.insert(0, watcher)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(watcher)
 
 
 def _params_init_may_touch(module: torch.nn.Module) -> list[torch.nn.Parameter]:

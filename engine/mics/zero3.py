@@ -95,7 +95,8 @@ def initialize(model: torch.nn.Module, optimizer: Any, ds_config: Mapping[str, A
     if model_parameters is not None:
         kwargs["model_parameters"] = model_parameters
     engine, _, _, _ = deepspeed.initialize(**kwargs)
-    install_replica_allreduce(engine.optimizer, groups.replica_group, groups.replicas)
+    if optimizer is not None:  # an engine only for evaluation / state dicts has no ZeRO-3 optimizer
+        install_replica_allreduce(engine.optimizer, groups.replica_group, groups.replicas)
     if groups.layout.shard_index != 0:
         engine.save_non_zero_checkpoint = False
         engine.save_zero_checkpoint = False

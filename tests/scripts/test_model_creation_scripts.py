@@ -227,3 +227,37 @@ def test_transformers_and_deepspeed_names_param_creation_relies_on_still_exist()
     assert "_hf_deepspeed_config_weak_ref" in inspect.getsource(hf_deepspeed.is_deepspeed_zero3_enabled)
     assert hasattr(modeling_utils, "set_zero3_state"), "transformers no longer skips nested zero.Init this way"
     assert hasattr(ZeroParamStatus, "NOT_AVAILABLE")
+
+
+@pytest.mark.slow
+def test_model_whose_builder_first_imports_transformers_inside_delayed_init_gets_eager_weights():
+    """transformers (and torch._dynamo) imported for the first time under zero.Init: the build works,
+    the partitioned GPT-2 holds exactly the weights of an eager build with the same seed, and
+    reading them before the optimizer exists does not stop training."""
+    script_path = HERE / "model_creation" / "local_import_build.py"
+    reports = run_torchrun(script_path, 2, timeout_s=400)
+    torch.manual_seed(0)
+    eager = _script_module(script_path).build_model().state_dict()
+    assert eager["transformer.wte.weight"].std() < 0.03  # GPT-2's N(0, 0.02), not nn.Embedding's N(0, 1)
+    for rank, rep in enumerate(reports):
+        assert not rep["transformers_imported_before"] and rep["partitioned"], rank
+        assert sorted(k.removeprefix("module.") for k in rep["weights"]) == sorted(eager)
+        for key, values in rep["weights"].items():
+            assert torch.equal(torch.tensor(values), eager[key.removeprefix("module.")].flatten()), (rank, key)
+    # state_dict() before DistributedOptimizer built an engine without optimizer; training still works:
+    # one SGD step equals the single-process step on both ranks' tokens (its loss is the ranks' mean).
+    script = _script_module(script_path)
+    torch.manual_seed(0)
+    model = script.build_model()
+    ids = script.tokens().reshape(-1, 16)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # sdp_gradient_clipping's default
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.5 * p.grad
+    assert sum(r["loss"] for r in reports) / 2 == pytest.approx(loss.item(), rel=1e-6)
+    for rank, rep in enumerate(reports):
+        for key, values in rep["trained"].items():
+            want = model.state_dict()[key.removeprefix("module.")].flatten()
+            assert torch.allclose(torch.tensor(values), want, rtol=1e-5, atol=1e-7), (rank, key)
