@@ -29,6 +29,10 @@ RUNS = {
         {"model": "llama", "optimizer": "sgd", "seed": 3, "steps": 2},
         {"model": "bert", "optimizer": "adamw", "seed": 4, "steps": 2},
         {"model": "gpt_neox", "optimizer": "sgd", "seed": 5, "steps": 2},
+        {"model": "gptj", "optimizer": "adamw", "seed": 12, "steps": 2},
+        {"model": "gpt_neo", "optimizer": "sgd", "seed": 13, "steps": 2},
+        {"model": "mistral", "optimizer": "adamw", "seed": 14, "steps": 2},
+        {"model": "roberta", "optimizer": "sgd", "seed": 15, "steps": 2},
     ]),
     "tp2-rdp2-prescaled": (4, {"ddp": True, "tensor_parallel_degree": 2, "prescaled_batch": True,
                                "microbatches": 2}, [

@@ -45,6 +45,24 @@ def hf_model(family: str, seed: int) -> torch.nn.Module:
                                vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout=0.0,
                                attention_dropout=0.0)
         cls = tf.GPTNeoXForCausalLM
+    elif family == "mistral":
+        cfg = tf.MistralConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32)
+        cls = tf.MistralForCausalLM
+    elif family == "roberta":
+        cfg = tf.RobertaConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                               vocab_size=VOCAB, max_position_embeddings=40, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0)
+        cls = tf.RobertaForMaskedLM
+    elif family == "gptj":
+        cfg = tf.GPTJConfig(n_layer=2, n_embd=16, n_head=4, rotary_dim=4, vocab_size=VOCAB, n_positions=32,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cls = tf.GPTJForCausalLM
+    elif family == "gpt_neo":
+        cfg = tf.GPTNeoConfig(num_layers=2, hidden_size=16, num_heads=4, attention_types=[[["global", "local"], 1]],
+                              window_size=4, vocab_size=VOCAB, max_position_embeddings=32, resid_dropout=0.0,
+                              embed_dropout=0.0, attention_dropout=0.0)
+        cls = tf.GPTNeoForCausalLM
     else:
         raise ValueError(family)
     cfg._attn_implementation = "eager"
