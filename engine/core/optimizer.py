@@ -148,8 +148,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if foreign:
             raise SMPInvalidArgumentError(
                 f"add_param_group: {foreign} parameter(s) of the group do not belong to the DistributedModel")
+        present = {id(p) for group in self._group_params for p in group}
+        repeated = sum(1 for p in params if id(p) in present)
+        if repeated:
+            raise SMPInvalidArgumentError(
+                f"add_param_group: {repeated} parameter(s) of the group are already in another parameter group")
         if self.ds_optimizer is self.optimizer:
             self.optimizer.add_param_group(param_group)
+            self._group_params.append(list(self.optimizer.param_groups[-1]["params"]))
             return
         if self._steps_taken:
             raise SMPUnsupportedError(

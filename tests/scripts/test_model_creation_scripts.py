@@ -177,6 +177,8 @@ def _unfreeze_reference(world: int, late_unfreeze: bool) -> tuple[list[float], d
 
 def _check_unfreeze(reports: list[dict], ref_losses: list[float], ref_weights: dict) -> None:
     for rank, rep in enumerate(reports):
+        assert rep["repeated_group"] == ("SMPInvalidArgumentError: add_param_group: 2 parameter(s) of the group "
+                                         "are already in another parameter group"), rep["repeated_group"]
         # every rank's loss is its own half of the batch; their mean is the reference's loss
         assert sum(r["losses"][0] for r in reports) / len(reports) == pytest.approx(ref_losses[0], rel=1e-6)
         for key, values in rep["weights"].items():

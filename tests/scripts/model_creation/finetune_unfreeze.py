@@ -50,6 +50,11 @@ def main():
     layers = list(model.get_module())
     optimizer = smp.DistributedOptimizer(TrackedSGD(layers[4].parameters(), lr=LRS["head"]))
     optimizer.add_param_group({"params": list(layers[2].parameters()), "lr": LRS["block2"]})
+    try:  # a slip: the head is already being trained
+        optimizer.add_param_group({"params": list(layers[4].parameters()), "lr": LRS["head"]})
+        repeated_group = "added"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        repeated_group = f"{type(exc).__name__}: {exc}"
 
     x, y = dataset(smp.dp_size())
     rows = slice(smp.dp_rank() * BATCH, (smp.dp_rank() + 1) * BATCH)
@@ -64,7 +69,7 @@ def main():
                 late_unfreeze = "added"
             except Exception as exc:  # noqa: BLE001 - reported to the test
                 late_unfreeze = f"{type(exc).__name__}: {exc}"
-    report = {"losses": losses, "late_unfreeze": late_unfreeze, "group_lrs": optimizer.group_lrs(),
+    report = {"losses": losses, "late_unfreeze": late_unfreeze, "repeated_group": repeated_group, "group_lrs": optimizer.group_lrs(),
               "ds_optimizer": type(optimizer.ds_optimizer).__name__,
               "weights": {k: v.float().flatten().tolist() for k, v in model.state_dict().items()}}
     with open(os.path.join(os.environ["SMP2DS_SCRIPT_OUT"], f"rank{smp.rank()}.json"), "w") as f:
