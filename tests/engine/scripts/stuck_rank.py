@@ -4,9 +4,11 @@
 step's gradient all-reduce. ``stuck_rank.py VICTIM alone``: the victim calls a collective that no
 other rank calls (as ``model.state_dict()`` on one rank under sharded data parallelism would),
 while the others go on to the next step. Every rank must stop, naming where the victim is.
+``stuck_rank.py VICTIM kill``: the victim dies (SIGKILL), for the launcher tests.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -32,6 +34,8 @@ for step in range(100000):
     if step == 3 and smp.rank() == victim:
         with open(os.environ["FAULT_MARK"], "w") as handle:
             handle.write(str(time.time()))
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         if how == "sleep":
             time.sleep(3600)
         else:
