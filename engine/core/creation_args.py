@@ -36,6 +36,7 @@ def _is_flag(value: Any) -> bool:
 
 
 def check(tensor_parallelism: Any, dtype: Any, zero_init: Any, config: dict[str, Any]) -> None:
+    """Raise ``SMPInvalidArgumentError`` naming the argument, its value and what is allowed."""
     if not _is_flag(tensor_parallelism):
         raise SMPInvalidArgumentError(
             f"model_creation(tensor_parallelism=...) must be a bool, got {tensor_parallelism!r}")
@@ -53,6 +54,7 @@ def check(tensor_parallelism: Any, dtype: Any, zero_init: Any, config: dict[str,
 
 
 def check_partitioned_dtype(dtype: torch.dtype, ds_config: Mapping[str, Any]) -> None:
+    """Partitioned creation makes parameters in the training precision: refuse another ``dtype``."""
     training = _TRAINING_DTYPES[precision(ds_config)]
     if dtype != training:
         raise SMPInvalidArgumentError(
