@@ -2,7 +2,8 @@
 
 One launch per layout checks several models (``smp.reset()`` between them): losses per rank and
 step, gradient norms of clipping that clips, final weights (fp32, rtol 1e-4), the fraction of every
-sharded weight each rank holds, the shard shapes of ``local_state_dict()``, and the fresh weights
+sharded weight each rank holds, the shard shapes of ``local_state_dict()``, activation checkpointing of
+tensor-parallel blocks (``smp.set_activation_checkpointing``), and the fresh weights
 ``tensor_parallel_seed`` gives ``smp.nn`` modules. Layouts: tp 2 on 2 ranks (prescaled_batch false,
 micro-batches 2, checkpoints: partial per tp rank and resume, full loaded at tp 1) and tp 2 x rdp 2
 on 4 ranks with prescaled_batch true, and false with placement ``spread`` and ZeRO-1
@@ -33,6 +34,7 @@ RUNS = {
         {"model": "gpt_neo", "optimizer": "sgd", "seed": 13, "steps": 2},
         {"model": "mistral", "optimizer": "adamw", "seed": 14, "steps": 2},
         {"model": "roberta", "optimizer": "sgd", "seed": 15, "steps": 2},
+        {"model": "gpt2", "optimizer": "sgd", "seed": 16, "steps": 2, "activation_checkpointing": True},
     ]),
     "tp2-rdp2-prescaled": (4, {"ddp": True, "tensor_parallel_degree": 2, "prescaled_batch": True,
                                "microbatches": 2}, [

@@ -93,7 +93,10 @@ def plain_model(kind: str, seed: int) -> torch.nn.Module:
 def loss_of(kind: str, model: Any, ids: torch.Tensor) -> torch.Tensor:
     if kind == "mlp":
         return model(ids, ids.roll(1, dims=1))
-    return model(input_ids=ids, labels=ids).loss
+    if kind in ("bert", "roberta"):
+        return model(input_ids=ids, labels=ids).loss
+    # no key/value cache: a checkpointed block that recomputes would append to it a second time
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
 def global_ids(step: int, rows: int) -> torch.Tensor:
@@ -136,6 +139,9 @@ def _train(smp: Any, phase: dict, b: int) -> dict:
             net = hf_model(kind, phase["seed"])
     model = smp.DistributedModel(net)
     out: dict[str, Any] = {"report": dict(vars(net._smp2ds_tp_report))}
+    if phase.get("activation_checkpointing"):
+        for name in out["report"]["sharded_blocks"]:
+            smp.set_activation_checkpointing(net.get_submodule(name))
     if kind == "mlp":
         out["fresh"] = model.state_dict()  # seeded from tensor_parallel_seed, identical on all ranks
         model.load_state_dict(plain_model(kind, phase["seed"]).state_dict())
