@@ -35,6 +35,7 @@ RUNS = {
         {"model": "mistral", "optimizer": "adamw", "seed": 14, "steps": 2},
         {"model": "roberta", "optimizer": "sgd", "seed": 15, "steps": 2},
         {"model": "gpt2", "optimizer": "sgd", "seed": 16, "steps": 2, "activation_checkpointing": True},
+        {"model": "gpt2", "optimizer": "sgd", "seed": 17, "steps": 2, "dropout": 0.2},
     ]),
     "tp2-rdp2-prescaled": (4, {"ddp": True, "tensor_parallel_degree": 2, "prescaled_batch": True,
                                "microbatches": 2}, [
@@ -81,10 +82,30 @@ def _check_phase(rank: int, tp: int, phase: dict, got: dict, ref: dict) -> None:
         assert math.prod(got["local"][name].shape) == local, f"{what}: local_state_dict()[{name!r}] is not the shard"
 
 
+def _check_dropout_keeps_replicas_equal(per_rank: list, p: int, tp: int) -> None:
+    """With dropout and a different seed per rank, the tensor-parallel group still draws the same masks
+    inside its regions (tensor_parallel_seed's stream): the block parameters every rank of the group holds
+    whole (layer norms, row-parallel biases) stay identical; with per-rank masks they would drift apart."""
+    local = [results[p]["local"] for results in per_rank]
+    replicated = [k for k, v in local[0].items() if k.startswith("transformer.h.") and "ln_" in k or
+                  k.endswith("c_proj.bias")]
+    assert replicated
+    for rank in range(1, tp):
+        for key in replicated:
+            torch.testing.assert_close(torch.as_tensor(local[rank][key]), torch.as_tensor(local[0][key]), rtol=0,
+                                       atol=0, msg=lambda m, key=key: f"{key} differs across the group: {m}")
+    before = tw.plain_model("gpt2", 17).state_dict()
+    moved = max(float((torch.as_tensor(local[0][k]) - before[k]).abs().max()) for k in replicated)
+    assert moved > 0, "the dropout phase must train the replicated parameters"
+
+
 def _check_run(run_id: str, per_rank: list) -> None:
     world, config, phases = RUNS[run_id]
     tp = config["tensor_parallel_degree"]
     for p, phase in enumerate(phases):
+        if phase.get("dropout"):
+            _check_dropout_keeps_replicas_equal(per_rank, p, tp)
+            continue
         ref = tw.reference(phase, per_rank[0][p]["data_ranks"], B)
         for rank, results in enumerate(per_rank):
             _check_phase(rank, tp, phase, results[p], ref)

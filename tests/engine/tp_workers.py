@@ -23,13 +23,13 @@ from tests.engine.train_workers import plain
 VOCAB, SEQ = 64, 8
 
 
-def hf_model(family: str, seed: int) -> torch.nn.Module:
+def hf_model(family: str, seed: int, dropout: float = 0.0) -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(seed)
     if family == "gpt2":
-        cfg = tf.GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = tf.GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=dropout,
+                            embd_pdrop=dropout, attn_pdrop=dropout)
         cls = tf.GPT2LMHeadModel
     elif family == "llama":
         cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=4,
@@ -136,8 +136,10 @@ def _train(smp: Any, phase: dict, b: int) -> dict:
             net = MLP()
     else:
         with smp.model_creation(tensor_parallelism=True):
-            net = hf_model(kind, phase["seed"])
+            net = hf_model(kind, phase["seed"], phase.get("dropout", 0.0))
     model = smp.DistributedModel(net)
+    if phase.get("dropout"):
+        torch.manual_seed(1234 + smp.rank())  # scripts often seed per rank: regions must not follow that
     out: dict[str, Any] = {"report": dict(vars(net._smp2ds_tp_report))}
     if phase.get("activation_checkpointing"):
         for name in out["report"]["sharded_blocks"]:
