@@ -48,8 +48,13 @@ class Position:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> Position:
-        return cls(**json.loads(text))
+    def from_json(cls, text: str) -> Position | None:
+        """The position a peer published, or None if it is unreadable (never raises: the watchdog
+        thread treats exceptions as a lost store)."""
+        try:
+            return cls(**json.loads(text))
+        except (ValueError, TypeError):
+            return None
 
 
 def _module(frame: FrameType) -> str:
@@ -104,13 +109,13 @@ def stall_verdict(me: int, waited_s: float, mine: Position, others: dict[int, Po
                   finished: set[int]) -> str:
     """The message naming the ranks behind ``me``, which has waited ``waited_s`` in a collective."""
     behind = []
-    for r in sorted(others):
+    for r in sorted(set(others) | finished):
         if r in finished:
             behind.append(f"rank {r} has already finished")
-        elif others[r] is None:
+        elif (theirs := others.get(r)) is None:
             behind.append(f"rank {r} (position unknown)")
-        elif others[r].collective != mine.collective or others[r].where != mine.where:
-            behind.append(f"rank {r} is {others[r].describe()}")
+        elif theirs.collective != mine.collective or theirs.where != mine.where:
+            behind.append(f"rank {r} is {theirs.describe()}")
     waiting = f"rank {me} waited {waited_s:.0f} s {mine.describe()}"
     if not behind:
         return f"every rank is stuck in the same collective ({waiting}): the backend is deadlocked"

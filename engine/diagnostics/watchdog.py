@@ -57,7 +57,7 @@ class Watchdog:
         self._verdict_ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"smp2ds-watchdog-{rank}", daemon=True)
         self._seen: dict[int, tuple[int, float]] = {}
-        self._main_thread = threading.main_thread().ident or 0
+        self._main_thread = threading.get_ident()  # the thread running smp.init: the training loop
         self._entry: Any = None
         self._entry_since = 0.0
 
@@ -186,7 +186,7 @@ class Watchdog:
                 finished.add(r)
             else:
                 others[r] = stall.Position.from_json(self._store.get(f"pos/{r}").decode()) \
-                    if self._store.check([f"pos/{r}"]) else None
+                    if self._store.check([f"pos/{r}"]) else None  # from_json never raises: see stall.py
         message = stall.stall_verdict(self.rank, waited, position, others, finished)
         self._store.compare_set("abort", "", message)
         return self._store.get("abort").decode()

@@ -145,3 +145,44 @@ def test_a_stuck_or_dead_rank_stops_the_job_within_the_same_bound_under_the_laun
     with open(mark) as handle:
         stuck_at = float(handle.read())
     assert ended - stuck_at < STUCK_TIMEOUT + 15, ended - stuck_at  # the launcher exits too, not only ranks
+
+
+def _blocked_in_a_collective(started, release):
+    """Stands for user code blocked in torch.distributed (a function whose module says so)."""
+    scope = {"__name__": "torch.distributed.distributed_c10d"}
+    exec("def all_reduce(started, release):\n    started.set()\n    release.wait()\n", scope)
+    scope["all_reduce"](started, release)
+
+
+def test_stall_sampling_finds_the_collective_and_the_user_line_and_the_verdict_names_who_is_behind():
+    import threading
+
+    from smp2ds.engine.diagnostics import stall
+
+    started, release = threading.Event(), threading.Event()
+    worker = threading.Thread(target=_blocked_in_a_collective, args=(started, release), daemon=True)
+    worker.start()
+    started.wait(10)
+    try:
+        position, entry = stall.sample(worker.ident)
+        again, entry_again = stall.sample(worker.ident)
+    finally:
+        release.set()
+        worker.join(10)
+    assert position.collective == "all_reduce" and entry is not None and entry_again is entry  # same call
+    line = _line_of_here("scope[\"all_reduce\"](started, release)")
+    assert position.where == f"test_faults_dist.py:{line} in _blocked_in_a_collective", position
+    assert stall.Position.from_json(position.to_json()) == position and stall.Position.from_json("{") is None
+    idle = stall.Position(3, None, None, "train.py:36 in <module>")
+    verdict = stall.stall_verdict(0, 8.4, position, {1: idle, 2: None, 3: position}, {4})
+    assert verdict.startswith("rank(s) not progressing: rank 1 is not in a collective at train.py:36 in <module>, "
+                              "step 3; rank 2 (position unknown); rank 4 has already finished (rank 0 waited 8 s in "
+                              "collective all_reduce at test_faults_dist.py:"), verdict
+    assert "rank 3" not in verdict  # waiting in the same call: not behind
+    assert stall.stall_verdict(0, 9, position, {1: position}, set()).startswith(
+        "every rank is stuck in the same collective")
+
+
+def _line_of_here(code: str) -> int:
+    with open(__file__) as handle:
+        return next(n for n, line in enumerate(handle, 1) if code in line and "_line_of_here" not in line)
