@@ -92,6 +92,10 @@ class DistributedModel(torch.nn.Module):
         if "overlapping_allreduce" in kwargs and not isinstance(kwargs["overlapping_allreduce"], bool):
             raise SMPInvalidArgumentError("overlapping_allreduce must be a bool")
         super().__init__()
+        # SMP's distributed transformer replaces marked Hugging Face GPT-2 models (any tp degree)
+        from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
+
+        module = replace_marked(module)
         self.module = module
         self.trace_device = trace_device
         self.backward_passes_per_step = backward_passes_per_step

@@ -3,10 +3,9 @@
 ``DistributedModule``, ``DistributedLinear`` and ``DistributedEmbedding`` are real tensor-parallel
 modules (:mod:`smp2ds.engine.tensor_parallel.modules`): with ``tensor_parallel_degree`` 1 they are
 their plain counterparts, above it each rank holds a shard. ``huggingface.<family>`` holds the
-state-dict translators scripts import. SMP's fused transformer blocks
-(``DistributedTransformer*``, ``DistributedAttentionLayer``, ``FlashAttentionLayer``) are not
-provided: they raise a clear error pointing to the Hugging Face / ``torch.nn`` route, which
-smp2ds shards in place.
+state-dict translators scripts import. SMP's distributed transformer
+(``DistributedTransformer*``, ``DistributedAttentionLayer``, ``DistributedLayerNorm``) is real
+(:mod:`transformer`, :mod:`transformer_layers`); ``FlashAttentionLayer`` raises a clear error.
 """
 
 from __future__ import annotations
@@ -16,6 +15,13 @@ from typing import Any
 import torch
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.nn.transformer import DistributedTransformer, DistributedTransformerLMHead
+from smp2ds.engine.nn.transformer_layers import (
+    DistributedAttentionLayer,
+    DistributedLayerNorm,
+    DistributedTransformerLayer,
+    DistributedTransformerOutputLayer,
+)
 from smp2ds.engine.tensor_parallel.modules import DistributedEmbedding, DistributedLinear, DistributedModule
 
 __all__ = [
@@ -23,13 +29,6 @@ __all__ = [
     "DistributedModule", "DistributedTransformer", "DistributedTransformerLMHead", "DistributedTransformerLayer",
     "DistributedTransformerOutputLayer", "FlashAttentionLayer", "FusedLayerNorm",
 ]
-
-
-class DistributedLayerNorm(torch.nn.LayerNorm, DistributedModule):
-    """SMP's layer norm (replicated on every tensor-parallel rank: its parameters are small)."""
-
-    def __init__(self, normalized_shape: Any, eps: float = 1e-5):
-        super().__init__(normalized_shape, eps=eps)
 
 
 class FusedLayerNorm(torch.nn.LayerNorm):
@@ -45,9 +44,4 @@ def _unsupported(name: str) -> type:
     return type(name, (DistributedModule,), {"__init__": __init__, "__doc__": f"Not available: {name}."})
 
 
-DistributedTransformerLMHead = _unsupported("DistributedTransformerLMHead")
-DistributedTransformer = _unsupported("DistributedTransformer")
-DistributedTransformerLayer = _unsupported("DistributedTransformerLayer")
-DistributedAttentionLayer = _unsupported("DistributedAttentionLayer")
-DistributedTransformerOutputLayer = _unsupported("DistributedTransformerOutputLayer")
 FlashAttentionLayer = _unsupported("FlashAttentionLayer")

@@ -1,32 +1,146 @@
-"""``smp.nn.huggingface.gpt2``: GPT-2 state-dict translators (see the package docstring:
-the engine keeps Hugging Face's names, so both directions keep keys and tensors)."""
+"""``smp.nn.huggingface.gpt2``: GPT-2 state dicts between Hugging Face's names and SMP's
+``smp.nn.DistributedTransformerLMHead`` (what ``GPT2LMHeadModel`` becomes under SMP's transformer API).
+
+Hugging Face keeps ``Conv1D`` weights as ``[in, out]`` and q, k, v fused in ``attn.c_attn``; SMP
+keeps ``[out, in]`` linear weights and separate ``query`` / ``key`` / ``value``:
+
+===============================  ======================================================
+Hugging Face                     SMP
+===============================  ======================================================
+``transformer.wte``              ``word_embedding``
+``transformer.wpe``              ``position_embedding``
+``transformer.h.<i>.ln_1``       ``transformer.seq_layers.<i>.attention.layernorm``
+``transformer.h.<i>.attn.c_attn``  ``...attention.query`` / ``.key`` / ``.value`` (split, transposed)
+``transformer.h.<i>.attn.c_proj``  ``...attention.dense`` (transposed)
+``transformer.h.<i>.ln_2``       ``...output.layernorm``
+``transformer.h.<i>.mlp.c_fc``   ``...output.dense1`` (transposed)
+``transformer.h.<i>.mlp.c_proj`` ``...output.dense2`` (transposed)
+``transformer.ln_f``             ``transformer.layernorm``
+``lm_head``                      tied to ``word_embedding`` (dropped) or ``lm_head``
+===============================  ======================================================
+
+Both directions are exact (transposes and splits only). SMP's checkpoint markers
+(``_smp_is_partial``, ``_smp_load_info``) are dropped; an unknown key is refused by name. A state
+dict of the in-place sharded Hugging Face model (``model_creation(tensor_parallelism=True)``
+without SMP's transformer settings) already has Hugging Face's names: give it to Hugging Face as is.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from smp2ds.engine.nn.huggingface import same_layout
+
+_PLAIN_LAYER = {"ln_1": "attention.layernorm", "ln_2": "output.layernorm"}
+_T_LAYER = {"attn.c_proj": "attention.dense", "mlp.c_fc": "output.dense1", "mlp.c_proj": "output.dense2"}
+_TOP = {"wte.weight": "word_embedding.weight", "wpe.weight": "position_embedding.weight",
+        "ln_f.weight": "transformer.layernorm.weight", "ln_f.bias": "transformer.layernorm.bias"}
+_QKV = ("query", "key", "value")
+
+
+def _unknown(fn: str, key: str) -> KeyError:
+    return KeyError(f"{fn}: {key!r} is not a GPT-2 parameter name this translator knows")
+
+
+def _hf_layer_to_smp(key: str, value: torch.Tensor, out: dict[str, Any], fn: str, prefix: str = "",
+                     full_key: str | None = None) -> None:
+    module, _, leaf = key.rpartition(".")
+    if module in _PLAIN_LAYER:
+        out[f"{prefix}{_PLAIN_LAYER[module]}.{leaf}"] = value
+    elif module in _T_LAYER:
+        out[f"{prefix}{_T_LAYER[module]}.{leaf}"] = value.t().contiguous() if leaf == "weight" else value
+    elif module == "attn.c_attn":
+        parts = (value.t() if leaf == "weight" else value).chunk(3, dim=0)
+        for name, part in zip(_QKV, parts, strict=True):
+            out[f"{prefix}attention.{name}.{leaf}"] = part.contiguous()
+    elif module == "attn" and leaf in ("bias", "masked_bias"):
+        return  # old transformers' causal-mask buffers: the SMP layer builds its mask itself
+    else:
+        raise _unknown(fn, full_key or key)
+
+
+def _smp_layer_to_hf(sd: Mapping[str, Any], prefix: str, out_prefix: str, fn: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for hf, smp in _PLAIN_LAYER.items():
+        for leaf in ("weight", "bias"):
+            out[f"{out_prefix}{hf}.{leaf}"] = sd[f"{prefix}{smp}.{leaf}"]
+    for hf, smp in _T_LAYER.items():
+        out[f"{out_prefix}{hf}.weight"] = sd[f"{prefix}{smp}.weight"].t().contiguous()
+        out[f"{out_prefix}{hf}.bias"] = sd[f"{prefix}{smp}.bias"]
+    out[f"{out_prefix}attn.c_attn.weight"] = torch.cat(
+        [sd[f"{prefix}attention.{n}.weight"] for n in _QKV], dim=0).t().contiguous()
+    out[f"{out_prefix}attn.c_attn.bias"] = torch.cat([sd[f"{prefix}attention.{n}.bias"] for n in _QKV], dim=0)
+    return out
+
+
+_SMP_LAYER_MODULES = [*_PLAIN_LAYER.values(), *_T_LAYER.values(), *(f"attention.{n}" for n in _QKV)]
+_SMP_LAYER_KEYS = {f"{m}.{leaf}" for m in _SMP_LAYER_MODULES for leaf in ("weight", "bias")}
 
 
 def translate_hf_state_dict_to_smdistributed_gpt2(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A Hugging Face GPT-2 state dict -> the engine's layout (the same names)."""
-    return same_layout(state_dict)
+    """A Hugging Face ``GPT2LMHeadModel`` (or ``GPT2Model``) state dict -> SMP's names."""
+    fn = "translate_hf_state_dict_to_smdistributed_gpt2"
+    sd = same_layout(state_dict)
+    out: dict[str, Any] = {}
+    for key, value in sd.items():
+        bare = key[len("transformer."):] if key.startswith("transformer.") else key
+        layer = re.fullmatch(r"h\.(\d+)\.(.+)", bare)
+        if bare in _TOP:
+            out[_TOP[bare]] = value
+        elif layer:
+            _hf_layer_to_smp(layer.group(2), value, out, fn, f"transformer.seq_layers.{layer.group(1)}.", key)
+        elif key == "lm_head.weight":
+            wte = sd.get("transformer.wte.weight")
+            if wte is None or not torch.equal(value, wte):
+                out["lm_head.weight"] = value  # an untied head keeps its own weight
+        else:
+            raise _unknown(fn, key)
+    return out
 
 
 def translate_state_dict_to_hf_gpt2(state_dict: Mapping[str, Any], max_seq_len: int | None = None) -> dict[str, Any]:
-    """A GPT-2 state dict in the engine's layout -> Hugging Face's (the same names).
+    """An SMP ``DistributedTransformerLMHead`` (GPT-2) state dict -> ``GPT2LMHeadModel``'s names.
 
-    ``max_seq_len`` is accepted for SMP compatibility: no attention-mask buffer needs rebuilding."""
-    return same_layout(state_dict)
+    ``max_seq_len`` is accepted for SMP compatibility: current Hugging Face GPT-2 keeps no
+    causal-mask buffer in its state dict, so there is nothing to rebuild."""
+    fn = "translate_state_dict_to_hf_gpt2"
+    sd = same_layout(state_dict)
+    out: dict[str, Any] = {}
+    inverse = {v: k for k, v in _TOP.items()}
+    layers = sorted({int(m.group(1)) for k in sd if (m := re.match(r"transformer\.seq_layers\.(\d+)\.", k))})
+    for key, value in sd.items():
+        if key in inverse:
+            out[f"transformer.{inverse[key]}"] = value
+        elif key == "lm_head.weight":
+            out[key] = value
+        elif not (re.match(r"transformer\.seq_layers\.\d+\.", key)
+                  and key.split(".", 3)[3] in _SMP_LAYER_KEYS):
+            raise _unknown(fn, key)
+    for i in layers:
+        out.update(_smp_layer_to_hf(sd, f"transformer.seq_layers.{i}.", f"transformer.h.{i}.", fn))
+    if "lm_head.weight" not in out and "word_embedding.weight" in sd:
+        out["lm_head.weight"] = sd["word_embedding.weight"]  # tied head
+    return out
 
 
 def translate_hf_state_dict_to_smdistributed_gpt2_layer(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """One GPT-2 block's Hugging Face state dict -> the engine's layout (the same names)."""
-    return same_layout(state_dict)
+    """One ``GPT2Block``'s state dict -> one ``DistributedTransformerLayer``'s."""
+    out: dict[str, Any] = {}
+    for key, value in same_layout(state_dict).items():
+        _hf_layer_to_smp(key, value, out, "translate_hf_state_dict_to_smdistributed_gpt2_layer")
+    return out
 
 
 def translate_state_dict_to_hf_gpt2_layer(state_dict: Mapping[str, Any],
                                           max_seq_len: int | None = None) -> dict[str, Any]:
-    """One GPT-2 block's state dict in the engine's layout -> Hugging Face's (the same names)."""
-    return same_layout(state_dict)
+    """One ``DistributedTransformerLayer``'s state dict -> one ``GPT2Block``'s (``max_seq_len``: as above)."""
+    fn = "translate_state_dict_to_hf_gpt2_layer"
+    sd = same_layout(state_dict)
+    unknown = sorted(set(sd) - _SMP_LAYER_KEYS)
+    if unknown:
+        raise _unknown(fn, unknown[0])
+    return _smp_layer_to_hf(sd, "", "", fn)

@@ -1,0 +1,243 @@
+"""SMP's distributed transformer layers: ``DistributedLayerNorm``, ``DistributedAttentionLayer``,
+``DistributedTransformerOutputLayer`` and ``DistributedTransformerLayer`` (sizes are global).
+
+Megatron-style tensor parallelism over the current tensor-parallel group (:mod:`group`):
+
+* attention: ``query`` / ``key`` / ``value`` column-parallel (each rank holds ``heads/tp`` whole
+  heads), ``dense`` row-parallel (partial products summed, bias added once);
+* output (MLP): ``dense1`` column-parallel, activation on the local slice, ``dense2`` row-parallel;
+* layer norms, biases of row-parallel projections and embeddings are replicated.
+
+Parameters are created whole (from the tensor-parallel stream when tp > 1, so every degree draws
+the same model) and cut with :func:`shard_parameter`: ``state_dict()`` through the engine joins
+them back, and loading full tensors cuts them again.
+
+A module used on its own is a tensor-parallel region (:mod:`region`: batches joined when
+``prescaled_batch`` is false, the group's random stream); a module built inside another one runs
+inside its parent's region (``_inner``), so regions never nest, also when activation
+checkpointing recomputes ``.attention`` or ``.output`` alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from smp2ds.engine.nn import transformer_options as opts
+from smp2ds.engine.tensor_parallel import group as tp_group
+from smp2ds.engine.tensor_parallel import registry, rng
+from smp2ds.engine.tensor_parallel.collectives import copy_to_tp, reduce_from_tp
+from smp2ds.engine.tensor_parallel.modules import DistributedModule
+from smp2ds.engine.tensor_parallel.region import mark_scaled_batch, run_region
+from smp2ds.engine.tensor_parallel.shards import ShardSpec, shard_parameter
+
+
+class DistributedLayerNorm(torch.nn.LayerNorm, DistributedModule):
+    """SMP's layer norm (replicated on every tensor-parallel rank: its parameters are small)."""
+
+    def __init__(self, normalized_shape: Any, eps: float = 1e-5):
+        super().__init__(normalized_shape, eps=eps)
+
+
+class ParallelDense(torch.nn.Module):
+    """A linear layer (weight ``[out, in]``) split over the group: ``mode`` 'column' splits the
+    output features, 'row' the input features (output summed, bias added once)."""
+
+    def __init__(self, in_features: int, out_features: int, mode: str, bias: bool, std: float,
+                 gen: torch.Generator | None):
+        super().__init__()
+        self.mode, self.tp = mode, tp_group.current()
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features).normal_(0.0, std, generator=gen))
+        self.bias = torch.nn.Parameter(torch.zeros(out_features)) if bias else None
+        if self.tp.size > 1:
+            split = 0 if mode == "column" else 1
+            for axis, name in ((split, "weight"), (0, "bias")):
+                if name == "bias" and (self.bias is None or mode == "row"):
+                    continue
+                if getattr(self, name).shape[axis] % self.tp.size:
+                    raise ValueError(f"{mode}-parallel layer: {name} dimension {getattr(self, name).shape[axis]} is "
+                                     f"not divisible by tensor_parallel_degree {self.tp.size}")
+                shard_parameter(self, name, ShardSpec(axis, self.tp.size), self.tp.rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "column":
+            return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+def init_generator(tp_size: int) -> torch.Generator | None:
+    """The shared stream for fresh weights when tp > 1 (every rank draws the same tensors)."""
+    return rng.manager().init_generator() if tp_size > 1 else None
+
+
+class RegionModule(DistributedModule):
+    """A distributed transformer module: a tensor-parallel region unless built inside another."""
+
+    _inner = False
+
+    def _region(self, fn: Callable[..., Any], *args: Any) -> Any:
+        tp = tp_group.current()
+        if tp.size == 1 or self._inner:
+            return fn(*args)
+        return run_region(tp, fn, args, {})
+
+    def _adopt(self) -> None:
+        """Mark every distributed submodule as running inside this one's region, and keep the
+        tensor-parallel replacement pass away from this tree: it is distributed already (its
+        ``nn.Embedding`` must not become another distributed module, its shards not be broadcast)."""
+        for m in self.modules():
+            if m is not self and isinstance(m, RegionModule):
+                m._inner = True
+            object.__setattr__(m, registry.MARK, registry.Mark(False))
+        if tp_group.current().size > 1:
+            mark_scaled_batch(self)
+
+
+def _residual_add(x: torch.Tensor, residual: torch.Tensor, in_fp32: bool) -> torch.Tensor:
+    if in_fp32 and x.dtype != torch.float32:
+        return (x.float() + residual.float()).to(x.dtype)
+    return x + residual
+
+
+def _split_inputs(where: str, inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(inputs, torch.Tensor):
+        return inputs, None
+    if isinstance(inputs, (tuple, list)) and len(inputs) == 2:
+        return inputs[0], inputs[1]
+    raise TypeError(f"smp.nn.{where}.forward takes (hidden_states, attention_mask) or hidden_states; got "
+                    f"{type(inputs).__name__} of length {len(inputs) if hasattr(inputs, '__len__') else '?'}")
+
+
+class DistributedAttentionLayer(RegionModule):
+    """Self attention (SMP signature). ``forward((hidden [N,S,H], mask [N,1,1,S] additive))`` -> hidden."""
+
+    def __init__(self, num_attention_heads: int = 32, attention_head_size: int = 32, hidden_size: int = 1024,
+                 attention_dropout_prob: float = 0.1, hidden_dropout_prob: float = 0.1,
+                 layernorm_epsilon: float = 1e-5, initializer_range: float = 0.02,
+                 use_normal_initialization: bool = False, cross_attention: bool = False,
+                 causal_mask_size: int | None = None, pre_layernorm: bool = False, post_layernorm: bool = True,
+                 **extras: Any):
+        super().__init__()
+        opts.check_no_cross_attention("DistributedAttentionLayer", cross_attention)
+        opts.check_layernorms("DistributedAttentionLayer", pre_layernorm, post_layernorm)
+        self.options = opts.parse("DistributedAttentionLayer", extras)
+        self.layer_idx = int(extras.get("layer_idx", 0) or 0)
+        tp = tp_group.current()
+        if num_attention_heads % tp.size:
+            raise ValueError(f"smp.nn.DistributedAttentionLayer: num_attention_heads {num_attention_heads} is not "
+                             f"divisible by tensor_parallel_degree {tp.size}")
+        self.num_attention_heads, self.attention_head_size = num_attention_heads, attention_head_size
+        self.local_heads = num_attention_heads // tp.size
+        self.causal_mask_size, self.pre_layernorm = causal_mask_size, pre_layernorm
+        gen, inner = init_generator(tp.size), num_attention_heads * attention_head_size
+        # a fixed draw order (query, key, value, dense) keeps fresh weights the same at any degree
+        for name in ("query", "key", "value"):
+            setattr(self, name, ParallelDense(hidden_size, inner, "column", self.options.use_qkv_bias,
+                                              initializer_range, gen))
+        self.dense = ParallelDense(inner, hidden_size, "row", self.options.use_attn_dense_bias, initializer_range, gen)
+        self.layernorm = DistributedLayerNorm(hidden_size, eps=layernorm_epsilon)
+        self.attention_dropout = torch.nn.Dropout(attention_dropout_prob)
+        self.hidden_dropout = torch.nn.Dropout(hidden_dropout_prob)
+        self._adopt()
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        hidden, mask = _split_inputs("DistributedAttentionLayer", inputs)
+        return self._region(self._forward, hidden, mask)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        n, s, _ = x.shape
+        return x.view(n, s, self.local_heads, self.attention_head_size).transpose(1, 2)
+
+    def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        o = self.options
+        x = self.layernorm(hidden) if self.pre_layernorm else hidden
+        q, k, v = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
+        in_fp32 = o.attention_in_fp32 or o.query_key_layer_scaling
+        if in_fp32:
+            q, k = q.float(), k.float()
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        if o.scale_attention_scores:
+            scores = scores / math.sqrt(self.attention_head_size)
+        if o.scale_attn_by_layer_idx:
+            scores = scores / float(self.layer_idx + 1)
+        s = scores.shape[-1]
+        if self.causal_mask_size is not None:
+            causal = torch.ones(s, s, dtype=torch.bool, device=scores.device).tril()
+            scores = scores.masked_fill(~causal, o.mask_value)
+        if mask is not None:
+            scores = scores + mask.to(scores.dtype)
+        probs = self.attention_dropout(torch.softmax(scores, dim=-1).to(v.dtype))
+        context = torch.matmul(probs, v).transpose(1, 2).reshape(hidden.shape[0], s, -1)
+        out = _residual_add(self.hidden_dropout(self.dense(context)), hidden, o.fp32_residual_addition)
+        return out if self.pre_layernorm else self.layernorm(out)
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class DistributedTransformerOutputLayer(RegionModule):
+    """The MLP block (SMP signature): ``dense2(act(dense1(LN?(x))))``, dropout, residual (LN)."""
+
+    def __init__(self, hidden_size: int = 1024, intermediate_size: int = 4096, hidden_dropout_prob: float = 0.1,
+                 activation: str = "gelu", layernorm_epsilon: float = 1e-5, initializer_range: float = 0.02,
+                 use_normal_initialization: bool = False, pre_layernorm: bool = False, post_layernorm: bool = True,
+                 fp32_residual_addition: bool = False, **extras: Any):
+        super().__init__()
+        opts.check_layernorms("DistributedTransformerOutputLayer", pre_layernorm, post_layernorm)
+        self.options = opts.parse("DistributedTransformerOutputLayer",
+                                  {**extras, "fp32_residual_addition": fp32_residual_addition})
+        self.activation = opts.check_activation("DistributedTransformerOutputLayer", activation)
+        self.pre_layernorm = pre_layernorm
+        gen = init_generator(tp_group.current().size)
+        self.dense1 = ParallelDense(hidden_size, intermediate_size, "column", True, initializer_range, gen)
+        self.dense2 = ParallelDense(intermediate_size, hidden_size, "row", True, initializer_range, gen)
+        self.layernorm = DistributedLayerNorm(hidden_size, eps=layernorm_epsilon)
+        self.dropout = torch.nn.Dropout(hidden_dropout_prob)
+        self._adopt()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._region(self._forward, hidden)
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = self.layernorm(hidden) if self.pre_layernorm else hidden
+        x = self.dropout(self.dense2(_ACTIVATIONS[self.activation](self.dense1(x))))
+        out = _residual_add(x, hidden, self.options.fp32_residual_addition)
+        return out if self.pre_layernorm else self.layernorm(out)
+
+
+class DistributedTransformerLayer(RegionModule):
+    """``.attention`` then ``.output``; ``forward((hidden, mask))`` -> ``(hidden, mask)`` (SMP's contract)."""
+
+    def __init__(self, num_attention_heads: int = 32, attention_head_size: int = 32, hidden_size: int = 1024,
+                 intermediate_size: int = 4096, attention_dropout_prob: float = 0.1,
+                 hidden_dropout_prob: float = 0.1, activation: str = "gelu", layernorm_epsilon: float = 1e-5,
+                 initializer_range: float = 0.02, use_normal_initialization: bool = False,
+                 causal_mask_size: int | None = None, add_cross_attention: bool = False,
+                 pre_layernorm: bool = False, post_layernorm: bool = True, **extras: Any):
+        super().__init__()
+        opts.check_no_cross_attention("DistributedTransformerLayer", add_cross_attention)
+        fp32_residual = bool(extras.pop("fp32_residual_addition", False))
+        common = {"layernorm_epsilon": layernorm_epsilon, "initializer_range": initializer_range,
+                  "use_normal_initialization": use_normal_initialization, "pre_layernorm": pre_layernorm,
+                  "post_layernorm": post_layernorm}
+        self.attention = DistributedAttentionLayer(
+            num_attention_heads, attention_head_size, hidden_size, attention_dropout_prob, hidden_dropout_prob,
+            causal_mask_size=causal_mask_size, fp32_residual_addition=fp32_residual, **common, **extras)
+        self.output = DistributedTransformerOutputLayer(
+            hidden_size, intermediate_size, hidden_dropout_prob, activation,
+            fp32_residual_addition=fp32_residual, **common, **extras)
+        self._adopt()
+
+    def forward(self, inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden, mask = _split_inputs("DistributedTransformerLayer", inputs)
+        return self._region(self._forward, hidden, mask)
+
+    def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.output(self.attention((hidden, mask))), mask
+

@@ -1,0 +1,119 @@
+"""The extra keyword arguments SMP's distributed transformer modules take, checked in one place.
+
+Each ``smp.nn.DistributedTransformer*`` constructor accepts SMP's extras (smp-torch-api.md section
+10). Every extra is either implemented (:class:`Options` carries it to the layers), accepted because
+it only picks a kernel (smp2ds runs PyTorch's kernels: the maths is the same), or refused with an
+error naming it, the value given and what is supported. Unknown names are refused too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedError
+
+
+@dataclass(frozen=True)
+class Options:
+    """The extras the layers act on (defaults are SMP's)."""
+
+    mask_value: float = -1e4
+    attention_in_fp32: bool = False
+    query_key_layer_scaling: bool = False
+    fp32_residual_addition: bool = False
+    scale_attention_scores: bool = True
+    scale_attn_by_layer_idx: bool = False
+    use_qkv_bias: bool = True
+    use_attn_dense_bias: bool = True
+    embedding_dropout_prob: float = 0.1
+    use_positional_embedding: bool = True
+    tie_input_output_embedding: bool = True
+    use_lm_head_bias: bool = False
+    final_layernorm: bool = False
+
+
+KERNEL_CHOICES = ("fused_softmax", "fused_dropout", "fused_bias_gelu")
+"""Accepted with any value: they choose CUDA kernels; smp2ds computes the same maths with PyTorch's."""
+
+_IGNORED_POSITIONAL = ("layer_idx", "input_layer", "output_layer", "full_attention_mask_and_cross_states")
+"""Bookkeeping SMP passes between its own layers (``layer_idx`` is read where it matters)."""
+
+_REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "distribute_embedding": (False, None),
+    "rotary_dim": (None, 0),
+    "rotary_pct": (None,),
+    "rotary_emb_base": (None, 10000),
+    "gpt_neox_type_rotary": (False, None),
+    "parallel_attn_output": (False, None),
+    "use_alibi": (False, None),
+    "alibi_bias_max": (8, None),
+    "attention_layers_type": (None, "global"),
+    "window_size": (None,),
+    "single_pre_layernorm": (False, None),
+    "flash_attention": (False, None),
+    "triton_flash_attention": (False, None),
+    "_output_full_batch": (False, None),
+}
+"""Extras smp2ds does not implement: only their 'off' values are accepted."""
+
+_WHY = {
+    "distribute_embedding": "vocab-parallel embedding / cross-entropy inside the distributed transformer",
+    "rotary_dim": "rotary position embeddings (GPT-J / GPT-NeoX replacement)",
+    "rotary_pct": "rotary position embeddings (GPT-J / GPT-NeoX replacement)",
+    "rotary_emb_base": "rotary position embeddings (GPT-J / GPT-NeoX replacement)",
+    "gpt_neox_type_rotary": "rotary position embeddings (GPT-J / GPT-NeoX replacement)",
+    "parallel_attn_output": "parallel attention + MLP residual (GPT-J / GPT-NeoX)",
+    "use_alibi": "ALiBi attention biases",
+    "alibi_bias_max": "ALiBi attention biases",
+    "attention_layers_type": "local (windowed) attention layers (GPT-Neo)",
+    "window_size": "local (windowed) attention layers (GPT-Neo)",
+    "single_pre_layernorm": "one layernorm shared by attention and MLP",
+    "flash_attention": "FlashAttention kernels",
+    "triton_flash_attention": "FlashAttention kernels",
+    "_output_full_batch": "full-batch outputs of a prescaled region",
+}
+
+
+def parse(where: str, extras: dict[str, Any]) -> Options:
+    """Check ``extras`` given to ``where`` (a class name) and return the ones the layers use."""
+    fields = set(Options.__dataclass_fields__)
+    used: dict[str, Any] = {}
+    for key, value in extras.items():
+        if key in fields:
+            used[key] = value
+        elif key in KERNEL_CHOICES or key in _IGNORED_POSITIONAL:
+            continue
+        elif key in _REFUSED_UNLESS:
+            if value not in _REFUSED_UNLESS[key]:
+                allowed = ", ".join(repr(v) for v in _REFUSED_UNLESS[key])
+                raise SMPUnsupportedError(
+                    f"smp.nn.{where}({key}={value!r}): {_WHY[key]} is not implemented by smp2ds; "
+                    f"supported: {key} in ({allowed})")
+        else:
+            raise SMPInvalidArgumentError(
+                f"smp.nn.{where} got unknown keyword argument {key!r}={value!r}; accepted extras: "
+                f"{sorted(fields | set(KERNEL_CHOICES) | set(_IGNORED_POSITIONAL) | set(_REFUSED_UNLESS))}")
+    return Options(**used)
+
+
+def check_activation(where: str, activation: str) -> str:
+    """SMP's ``activation`` ('gelu', 'relu'); 'gelu_new' (tanh approximation) is GPT-2's."""
+    if activation not in ("gelu", "relu", "gelu_new"):
+        raise SMPInvalidArgumentError(f"smp.nn.{where}(activation={activation!r}): supported are 'gelu', 'relu' "
+                                      "and 'gelu_new' (the tanh approximation Hugging Face GPT-2 uses)")
+    return activation
+
+
+def check_layernorms(where: str, pre_layernorm: bool, post_layernorm: bool) -> None:
+    """One of the two placements: SMP needs at least one; both at once is not implemented here."""
+    if pre_layernorm == post_layernorm:
+        raise SMPUnsupportedError(
+            f"smp.nn.{where}(pre_layernorm={pre_layernorm}, post_layernorm={post_layernorm}): exactly one of "
+            "pre_layernorm / post_layernorm must be True in smp2ds (both or neither is not supported)")
+
+
+def check_no_cross_attention(where: str, value: bool) -> None:
+    if value:
+        raise SMPUnsupportedError(f"smp.nn.{where}: cross attention (add_cross_attention / cross_attention=True) "
+                                  "is not implemented by smp2ds; supported: False")

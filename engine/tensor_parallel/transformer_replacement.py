@@ -1,0 +1,159 @@
+"""SMP's replacement of Hugging Face GPT-2 by ``smp.nn.DistributedTransformerLMHead``.
+
+When it applies (the decision, documented): SMP replaced a ``GPT2LMHeadModel`` marked for tensor
+parallelism by its distributed transformer, at any ``tensor_parallel_degree`` including 1, and
+scripts written for that walk ``model.get_module().transformer.seq_layers``. smp2ds's default for
+a marked Hugging Face model is to shard it in place under its own names (:mod:`families`), which
+keeps Hugging Face scripts (Trainer, ``save_pretrained``, HF state dicts) working. A script asks
+for SMP's transformer API by passing any of SMP's distributed-transformer settings to the marking
+context, as SMP's GPT-2 example does (``smp.model_creation(tensor_parallelism=True,
+attention_in_fp32=..., fused_softmax=..., ...)``, or ``smp.tensor_parallelism(fused_softmax=True)``):
+then the model is replaced, at tp 1 as well. The settings go to the distributed transformer
+(unsupported ones are refused there, naming the setting).
+
+What the replacement keeps: the weights (broadcast from tensor-parallel rank 0, translated by
+:mod:`smp2ds.engine.nn.huggingface.gpt2`, cut to this rank's shard), ``config``, train/eval mode,
+dtype and device, and Hugging Face's call contract: ``model(input_ids=..., attention_mask=...,
+labels=...)`` returns an output with ``loss`` and ``logits`` (SMP's forward/return hooks).
+Other families, and GPT-2 features the distributed transformer lacks (cross attention), are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.tensor_parallel import registry
+from smp2ds.engine.tensor_parallel.group import current
+from smp2ds.engine.tensor_parallel.shards import spec_of
+
+REPLACED_CLASSES = ("GPT2LMHeadModel",)
+"""Hugging Face classes replaced by ``DistributedTransformerLMHead`` (GPT-J/Neo/NeoX: not yet)."""
+
+_NOT_YET = ("GPTJForCausalLM", "GPTNeoForCausalLM", "GPTNeoXForCausalLM", "BertEncoder", "RobertaEncoder")
+
+_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+
+
+def wants_replacement(module: torch.nn.Module) -> bool:
+    """A marked model whose marking context carries SMP distributed-transformer settings."""
+    mark = registry.mark_of(module)
+    return bool(mark is not None and mark.enabled and mark.kwargs)
+
+
+def replace_marked(root: torch.nn.Module) -> torch.nn.Module:
+    """``root`` with every GPT-2 model asking for SMP's transformer API replaced (run by
+    ``smp.DistributedModel`` before its backend; returns the new root when ``root`` itself is one)."""
+    if _candidate(root):
+        return to_distributed_transformer(root)
+    for name, child in list(root.named_children()):
+        new = replace_marked(child)
+        if new is not child:
+            setattr(root, name, new)
+    return root
+
+
+def _candidate(module: torch.nn.Module) -> bool:
+    if not wants_replacement(module):
+        return False
+    name = type(module).__name__
+    if name in _NOT_YET:
+        raise SMPUnsupportedError(
+            f"{name} created with SMP's distributed-transformer settings {sorted(registry.mark_of(module).kwargs)}: "
+            f"smp2ds replaces only {', '.join(REPLACED_CLASSES)} by smp.nn.DistributedTransformerLMHead; build "
+            f"{name} inside smp.model_creation(tensor_parallelism=True) without those settings to have it "
+            "sharded in place under its Hugging Face names")
+    return name in REPLACED_CLASSES
+
+
+def gpt2_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """``DistributedTransformerLMHead`` constructor arguments for a GPT-2 config (settings override)."""
+    if getattr(config, "add_cross_attention", False):
+        raise SMPUnsupportedError("GPT-2 with add_cross_attention=True cannot be replaced by "
+                                  "smp.nn.DistributedTransformerLMHead: cross attention is not implemented")
+    act = config.activation_function
+    if act not in _ACTIVATIONS:
+        raise SMPUnsupportedError(f"GPT-2 activation_function={act!r} is not supported by the distributed "
+                                  f"transformer; supported: {sorted(_ACTIVATIONS)}")
+    hidden, heads = config.n_embd, config.n_head
+    args = {
+        "num_layers": config.n_layer, "num_attention_heads": heads, "attention_head_size": hidden // heads,
+        "hidden_size": hidden, "intermediate_size": config.n_inner or 4 * hidden, "vocab_size": config.vocab_size,
+        "num_positions": config.n_positions, "attention_dropout_prob": config.attn_pdrop,
+        "hidden_dropout_prob": config.resid_pdrop, "embedding_dropout_prob": config.embd_pdrop,
+        "activation": _ACTIVATIONS[act], "layernorm_epsilon": config.layer_norm_epsilon,
+        "causal_mask_size": config.n_positions, "initializer_range": config.initializer_range,
+        "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True,
+        "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", True)),
+        "scale_attention_scores": bool(config.scale_attn_weights),
+        "scale_attn_by_layer_idx": bool(config.scale_attn_by_inverse_layer_idx),
+        "attention_in_fp32": bool(getattr(config, "reorder_and_upcast_attn", False)),
+    }
+    return {**args, **settings}
+
+
+def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
+    """The ``DistributedTransformerLMHead`` replacing Hugging Face GPT-2 model ``hf`` (same weights)."""
+    from smp2ds.engine.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
+    from smp2ds.engine.nn.transformer import DistributedTransformerLMHead
+
+    tp = current()
+    settings = dict(registry.mark_of(hf).kwargs)
+    new = DistributedTransformerLMHead(**gpt2_arguments(hf.config, settings))
+    if tp.size > 1:
+        registry.sync_replicas(hf, tp)  # every rank of the group takes tp rank 0's weights
+    weight = next(hf.parameters())
+    new.to(device=weight.device, dtype=weight.dtype)
+    load_full(new, translate_hf_state_dict_to_smdistributed_gpt2(hf.state_dict()), tp.rank)
+    new.train(hf.training)
+    object.__setattr__(new, "config", hf.config)
+    object.__setattr__(new, "_smp2ds_forward_hook", hf_call_to_smp)
+    object.__setattr__(new, "_smp2ds_return_hook", smp_output_to_hf)
+    object.__setattr__(new, "_smp2ds_replaced", type(hf).__name__)
+    return new
+
+
+def load_full(module: torch.nn.Module, full: dict[str, Any], tp_rank: int) -> None:
+    """Load whole tensors into ``module``, cutting each sharded parameter to this rank's piece."""
+    own = module.state_dict(keep_vars=True)
+    cut = {}
+    for key, value in full.items():
+        spec = spec_of(own[key]) if key in own else None
+        cut[key] = spec.local(value, tp_rank) if spec is not None and tuple(value.shape) == spec.full_shape \
+            else value
+    module.load_state_dict(cut, strict=True)
+
+
+_HF_IGNORED = ("return_dict", "use_cache", "output_attentions", "output_hidden_states", "past_key_values",
+               "cache_position")
+
+
+def hf_call_to_smp(input_ids: Any = None, past_key_values: Any = None, attention_mask: Any = None,
+                   token_type_ids: Any = None, position_ids: Any = None, *rest: Any, labels: Any = None,
+                   **kwargs: Any) -> tuple[tuple, dict]:
+    """Hugging Face GPT-2's call -> SMP's tuple ``(input_ids, mask (1 = masked), token types, positions, labels)``."""
+    if isinstance(input_ids, (tuple, list)) and past_key_values is None:
+        return (input_ids,), {}  # already SMP's tuple form
+    used = {k: v for k, v in kwargs.items() if v is not None and k not in _HF_IGNORED}
+    if rest or used or (past_key_values is not None) or kwargs.get("output_attentions") \
+            or kwargs.get("output_hidden_states"):
+        raise SMPUnsupportedError(
+            "the GPT-2 model replaced by smp.nn.DistributedTransformerLMHead takes input_ids, attention_mask, "
+            f"token_type_ids, position_ids and labels; got also {sorted(used) or 'past_key_values/outputs'}")
+    if input_ids is None:
+        raise SMPUnsupportedError("the replaced GPT-2 model needs input_ids (inputs_embeds is not supported)")
+    if token_type_ids is not None:
+        raise SMPUnsupportedError("the GPT-2 model replaced by smp.nn.DistributedTransformerLMHead does not take "
+                                  "token_type_ids (GPT-2 has no token-type embedding); pass token_type_ids=None")
+    mask = None if attention_mask is None else (1 - attention_mask.long())
+    return ((input_ids, mask, token_type_ids, position_ids, labels),), {}
+
+
+def smp_output_to_hf(out: Any) -> Any:
+    """SMP's ``logits`` / ``(loss, logits)`` -> Hugging Face's ``CausalLMOutputWithCrossAttentions``."""
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+    loss, logits = out if isinstance(out, tuple) else (None, out)
+    return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
