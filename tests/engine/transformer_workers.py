@@ -1,0 +1,120 @@
+"""Rank bodies and the single-process reference for the distributed-transformer tests.
+
+Each rank builds a Hugging Face GPT-2 from the same seed inside ``smp.model_creation(tensor_parallelism=
+True, <SMP transformer settings>)``: ``smp.DistributedModel`` replaces it by
+``smp.nn.DistributedTransformerLMHead``. ``prescaled_batch`` false: every rank (SMP's dp = tp x rdp)
+takes rows ``[dp_rank*b, (dp_rank+1)*b)`` of the step's global batch; the reference trains the
+Hugging Face model on the whole batch (the mean of the ranks' equal-sized losses).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.engine.train_workers import plain
+
+VOCAB, SEQ = 48, 8
+SETTINGS = {"fused_softmax": True, "fused_bias_gelu": False, "attention_in_fp32": False}
+"""What SMP's GPT-2 example passes to model_creation (asks for SMP's transformer API)."""
+
+
+def hf_gpt2(seed: int) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "eager"
+    return tf.GPT2LMHeadModel(cfg)
+
+
+def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and an attention mask with some right padding (labels -100 there)."""
+    g = torch.Generator().manual_seed(900 + step)
+    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[::3, SEQ - 2:] = 0
+    return ids, mask
+
+
+def labels_of(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ids.masked_fill(mask == 0, -100)
+
+
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01, eps=1e-6)
+
+
+def reference(phase: dict, ranks: int, b: int) -> dict:
+    """Single-process Hugging Face GPT-2 on the union of the ranks' batches (equal sizes: mean of means)."""
+    model = hf_gpt2(phase["seed"])
+    opt = make_optimizer(phase["optimizer"], model.parameters())
+    losses = []
+    for step in range(phase["steps"]):
+        ids, mask = batch(step, ranks * b)
+        per_rank = [model(input_ids=ids[r * b:(r + 1) * b], attention_mask=mask[r * b:(r + 1) * b],
+                          labels=labels_of(ids, mask)[r * b:(r + 1) * b]).loss for r in range(ranks)]
+        loss = torch.stack(per_rank).mean()
+        losses.append([x.item() for x in per_rank])  # a step's reduce_mean averages over rdp only
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _train(smp: Any, phase: dict, b: int) -> dict:
+    from smp2ds.engine.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
+
+    with smp.model_creation(tensor_parallelism=True, **SETTINGS):
+        net = hf_gpt2(phase["seed"])
+    model = smp.DistributedModel(net)
+    module = model.get_module()
+    out: dict[str, Any] = {"class": type(module).__name__, "config_n_layer": module.config.n_layer}
+    layers = list(module.transformer.seq_layers.children())
+    out["layers"] = [type(layer).__name__ for layer in layers]
+    if phase.get("activation_checkpointing"):
+        for layer in layers:
+            smp.set_activation_checkpointing(layer.attention)
+            smp.set_activation_checkpointing(layer.output)
+    rank, ranks = smp.dp_rank(), smp.dp_size()
+    ids, mask = batch(100, ranks * b)
+    mine = slice(rank * b, (rank + 1) * b)
+    module.eval()
+    with torch.no_grad():
+        out["logits"] = model(input_ids=ids[mine], attention_mask=mask[mine]).logits
+    module.train()
+    full = model.state_dict()
+    out["shards"] = {n: (p.numel(), full[n].numel()) for n, p in model.named_parameters()}
+    opt = smp.DistributedOptimizer(make_optimizer(phase["optimizer"], model.parameters()))
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels_of(ids, mask))["loss"]
+        model.backward(loss)
+        return loss
+
+    out["losses"] = []
+    for step in range(phase["steps"]):
+        ids, mask = batch(step, ranks * b)
+        out["losses"].append(train_step(model, ids[mine], mask[mine]).reduce_mean().item())
+        opt.step()
+        opt.zero_grad()
+    out["weights"] = translate_state_dict_to_hf_gpt2(model.state_dict())
+    return out
+
+
+def run(config: dict, phases: list[dict], b: int) -> list[dict]:
+    """Initialise SMP once and train one freshly replaced GPT-2 per phase."""
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(config)
+    results = []
+    for phase in phases:
+        smp.reset()
+        results.append(_train(smp, phase, b))
+    smp.barrier()
+    return plain(results)
