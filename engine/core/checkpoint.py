@@ -77,7 +77,7 @@ def save_checkpoint(path: str, tag: str, partial: bool = True, model: Any = None
     if not isinstance(tag, str):
         raise SMPCheckpointError(f"tag must be a str, got {type(tag).__name__}")
     rank = state.groups.rank
-    if partial and rank == 0:
+    if rank == 0:
         commit.tidy(path)  # before any rank writes: leftovers of a crashed save go first
     nonce = os.urandom(8).hex()
     agreed = collectives.allgather((tag, nonce), CommGroup.WORLD)
