@@ -1,0 +1,141 @@
+"""GPT-2 pre-training with SMP's distributed transformer, written the way SMP's GPT-2 example was.
+
+smp.init from arguments; a Hugging Face GPT-2 built from its config inside
+``smp.model_creation(tensor_parallelism=smp.tp_size() > 1 or args.use_distributed_transformer > 0,
+...)`` with the example's transformer settings (SMP replaces it by
+``smp.nn.DistributedTransformerLMHead``); optionally the starting weights from a Hugging Face state
+dict through ``translate_hf_state_dict_to_smdistributed_gpt2``; ``seq_layers`` partition assignment;
+activation checkpointing of every layer's ``.attention`` and ``.output`` (or of ``seq_layers``);
+``@smp.step`` with ``model.backward``; at the end a full checkpoint in Hugging Face's names through
+``translate_state_dict_to_hf_gpt2``, saved by rank 0 and loaded into a plain ``GPT2LMHeadModel``.
+Synthetic tokens (no dataset download).
+
+Each rank writes ``$SMP2DS_SCRIPT_OUT/rank<N>.json``: losses, the final weights (HF names) and how
+far the checkpoint's Hugging Face logits are from the distributed model's.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, set_seed
+
+import smdistributed.modelparallel.torch as smp
+from smdistributed.modelparallel.torch.nn.huggingface.gpt2 import (
+    translate_hf_state_dict_to_smdistributed_gpt2,
+    translate_state_dict_to_hf_gpt2,
+)
+
+VOCAB, SEQ = 48, 8
+
+
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tensor-parallel-degree", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-degree", type=int, default=1)
+    parser.add_argument("--use-distributed-transformer", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--train-batch-size", type=int, default=3, help="per data-parallel rank")
+    parser.add_argument("--activation-checkpointing", type=int, default=1)
+    parser.add_argument("--checkpoint-sublayers", type=int, default=1)
+    parser.add_argument("--manual-partition", type=int, default=1)
+    parser.add_argument("--attention-in-fp32", type=int, default=0)
+    parser.add_argument("--residual-addition-in-fp32", type=int, default=0)
+    parser.add_argument("--query-key-layer-scaling", type=int, default=0)
+    parser.add_argument("--fused-softmax", type=int, default=1)
+    parser.add_argument("--fused-bias-gelu", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--adam-eps", type=float, default=1e-8)
+    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--init-from", default=None, help="a Hugging Face GPT-2 state dict (torch.save) to start from")
+    parser.add_argument("--checkpoint-dir", default=None)
+    return parser.parse_args()
+
+
+def model_config():
+    return GPT2Config(n_layer=2, n_head=4, n_embd=16, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False)
+
+
+def batches(steps, global_batch, seed=77):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (steps, global_batch, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[:, ::2, SEQ - 2:] = 0  # some right padding
+    return ids, mask
+
+
+@smp.step
+def train_step(model, input_ids, attention_mask):
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)["loss"]
+    model.backward(loss)
+    return loss
+
+
+def main():
+    args = parse_args()
+    smp.init({"ddp": True, "tensor_parallel_degree": args.tensor_parallel_degree,
+              "pipeline_parallel_degree": args.pipeline_parallel_degree, "microbatches": 1,
+              "prescaled_batch": False})
+    set_seed(args.seed)
+    with smp.model_creation(tensor_parallelism=smp.tp_size() > 1 or args.use_distributed_transformer > 0,
+                            dtype=torch.float32, distribute_embedding=False, use_alibi=False,
+                            attention_in_fp32=args.attention_in_fp32 > 0,
+                            fp32_residual_addition=args.residual_addition_in_fp32 > 0,
+                            query_key_layer_scaling=args.query_key_layer_scaling > 0,
+                            fused_softmax=args.fused_softmax > 0, fused_bias_gelu=args.fused_bias_gelu > 0):
+        model = GPT2LMHeadModel(model_config())
+    model = smp.DistributedModel(model, trace_device="gpu")
+    if args.init_from:
+        model.load_state_dict(translate_hf_state_dict_to_smdistributed_gpt2(torch.load(args.init_from)))
+
+    transformer_layers = model.get_module().transformer.seq_layers
+    if args.manual_partition:
+        per_partition = max(1, len(transformer_layers) // smp.pp_size())
+        for i, c in enumerate(transformer_layers.children()):
+            smp.set_partition(c, min(i // per_partition, smp.pp_size() - 1))
+    if args.activation_checkpointing:
+        if args.checkpoint_sublayers:
+            for c in transformer_layers.children():
+                smp.set_activation_checkpointing(c.attention)
+                smp.set_activation_checkpointing(c.output)
+        else:
+            smp.set_activation_checkpointing(transformer_layers, strategy="each")
+
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                                              eps=args.adam_eps))
+    b = args.train_batch_size
+    ids, mask = batches(args.steps, b * smp.dp_size())
+    rows = slice(smp.dp_rank() * b, (smp.dp_rank() + 1) * b)
+    losses = []
+    model.train()
+    for step in range(args.steps):
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(train_step(model, ids[step, rows], mask[step, rows]).reduce_mean().item())
+        optimizer.step()
+
+    hf_dict = translate_state_dict_to_hf_gpt2(model.state_dict(), max_seq_len=SEQ)  # collective under tp
+    report = {"rank": smp.rank(), "dp_rank": smp.dp_rank(), "tp": [smp.tp_rank(), smp.tp_size()],
+              "class": type(model.get_module()).__name__, "losses": losses,
+              "weights": {k: v.float().flatten().tolist() for k, v in hf_dict.items()}}
+    if args.checkpoint_dir:
+        path = os.path.join(args.checkpoint_dir, "gpt2_hf.pt")
+        if smp.rank() == 0:
+            smp.save(hf_dict, path, partial=False)
+        smp.barrier()
+        hf = GPT2LMHeadModel(model_config())
+        hf.load_state_dict(smp.load(path, partial=False), strict=True)
+        hf.eval()
+        model.eval()
+        with torch.no_grad():
+            want = model(input_ids=ids[0, rows]).logits
+            got = hf(input_ids=ids[0, rows]).logits
+        report["checkpoint_logits_max_diff"] = float((got - want).abs().max())
+    with open(os.path.join(os.environ["SMP2DS_SCRIPT_OUT"], f"rank{smp.rank()}.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
