@@ -375,3 +375,17 @@ def test_repairs_reach_transformers_whichever_module_imports_smp_first(tmp_path:
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
         "device": "cpu", "world_size": 1, "arguments_repaired": True, "trainer_repaired": True}
+
+
+def test_clipping_under_smp_goes_through_clip_master_grads_and_refuses_other_norms() -> None:
+    """The Trainer's accelerator clips through the optimizer's clip_master_grads under SMP, which
+    clips the L2 norm only: another norm_type is refused by name rather than silently changed."""
+    from types import SimpleNamespace
+
+    from smp2ds.engine.integrations.hf_trainer_repairs import _clip_through_optimizer
+
+    calls = []
+    trainer = SimpleNamespace(optimizer=SimpleNamespace(clip_master_grads=lambda max_norm: calls.append(max_norm) or 3.0))
+    assert _clip_through_optimizer(trainer, None, [], 1.5) == 3.0 and calls == [1.5]
+    with pytest.raises(ValueError, match=r"clips the L2 norm; norm_type=1 is not supported \(allowed: 2\)"):
+        _clip_through_optimizer(trainer, None, [], 1.0, norm_type=1)
