@@ -96,9 +96,16 @@ def gpt2_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
     """The ``DistributedTransformerLMHead`` replacing Hugging Face GPT-2 model ``hf`` (same weights)."""
+    from smp2ds.engine.core.state import state
     from smp2ds.engine.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
     from smp2ds.engine.nn.transformer import DistributedTransformerLMHead
 
+    if state.initialized and int(state.cfg.pipeline_parallel_degree) > 1:
+        raise SMPUnsupportedError(
+            f"{type(hf).__name__} replaced by smp.nn.DistributedTransformerLMHead with pipeline_parallel_degree "
+            f"{state.cfg.pipeline_parallel_degree}: pipelining the distributed transformer is not implemented; use "
+            "pipeline_parallel_degree 1, or build the model without SMP's transformer settings (the Hugging "
+            "Face model is then kept and pipelined)")
     tp = current()
     settings = dict(registry.mark_of(hf).kwargs)
     new = DistributedTransformerLMHead(**gpt2_arguments(hf.config, settings))

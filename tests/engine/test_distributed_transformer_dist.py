@@ -50,3 +50,11 @@ def test_tp2_distributed_transformer_matches_hugging_face_gpt2():
 
 
 VOCAB_ROWS = tw.VOCAB
+
+
+@pytest.mark.slow
+def test_pipeline_parallelism_with_the_distributed_transformer_is_refused_clearly():
+    for message in run_ranks(tw.pipeline_refusal, 2):
+        assert message.startswith("SMPUnsupportedError: GPT2LMHeadModel replaced by smp.nn."
+                                  "DistributedTransformerLMHead with pipeline_parallel_degree 2: pipelining the "
+                                  "distributed transformer is not implemented")

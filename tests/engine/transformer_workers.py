@@ -118,3 +118,19 @@ def run(config: dict, phases: list[dict], b: int) -> list[dict]:
         results.append(_train(smp, phase, b))
     smp.barrier()
     return plain(results)
+
+
+def pipeline_refusal() -> str:
+    """The message SMP's transformer API gets with pipeline_parallel_degree 2 (not implemented)."""
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2})
+    with smp.model_creation(tensor_parallelism=True, **SETTINGS):
+        net = hf_gpt2(0)
+    try:
+        smp.DistributedModel(net)
+    except Exception as exc:  # noqa: BLE001 - the message goes to the test
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        smp.barrier()
+    return "no error"
