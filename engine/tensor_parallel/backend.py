@@ -22,6 +22,7 @@ from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.tensor_parallel import grads, registry
 from smp2ds.engine.tensor_parallel.group import current
 from smp2ds.engine.tensor_parallel.mpu import TensorParallelMPU
+from smp2ds.engine.tensor_parallel.region import first_tensor
 from smp2ds.engine.tensor_parallel.shards import full_tensor, spec_of
 
 
@@ -51,9 +52,7 @@ class TensorParallelBackend(DataParallelBackend):
 
     def _check_equal_batches(self, args: tuple, kwargs: dict) -> None:
         """Joining batches needs the same batch size on every rank of the group: say so, not hang."""
-        from smp2ds.engine.tensor_parallel.region import _first_tensor
-
-        first = _first_tensor((args, kwargs))
+        first = first_tensor((args, kwargs))
         size = int(first.shape[0]) if first is not None and first.dim() else -1
         sizes = comm.all_gather_object(size, group=self.tp.handle)
         if len(set(sizes)) > 1:

@@ -10,6 +10,9 @@ one batch and the region passes tensors through.
 Inside a region dropout must draw the same mask on every rank of the group (the activations
 between column- and row-parallel layers are replicated), so the region runs on the group's own
 random stream (:mod:`smp2ds.engine.tensor_parallel.rng`), seeded from ``tensor_parallel_seed``.
+Known limit: when such a region is also activation-checkpointed and has dropout > 0, its
+recomputation draws the stream's next masks, not the ones of the first forward (PyTorch's
+checkpoint restores the script's stream, not this one); without dropout recomputation is exact.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def _map_mapping(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     return obj
 
 
-def _first_tensor(obj: Any) -> torch.Tensor | None:
+def first_tensor(obj: Any) -> torch.Tensor | None:
+    """The first tensor found in ``obj`` (depth first), or None."""
     found: list[torch.Tensor] = []
     tree_map(lambda t: found.append(t) if not found else None, obj)
     return found[0] if found else None
@@ -53,7 +57,7 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
 
 def join_batches(args: tuple, kwargs: dict, tp: TPGroup) -> tuple[tuple, dict, int]:
     """Gather the group's batches in every batch-shaped tensor argument; returns the local batch size."""
-    first = _first_tensor(args) if args else _first_tensor(kwargs)
+    first = first_tensor(args) if args else first_tensor(kwargs)
     if first is None or first.dim() == 0:
         return args, kwargs, 0
     local = first.shape[0]
