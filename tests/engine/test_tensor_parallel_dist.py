@@ -167,3 +167,15 @@ def test_tp2_rdp2_and_tp4_on_four_ranks_match_single_process(run_id):
     else:
         assert [list(g["tp_group"]) for g in groups] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert all(tuple(g["rdp"])[1] == 2 and tuple(g["dp"])[1] == 4 for g in groups)
+
+
+@pytest.mark.slow
+def test_what_tensor_parallelism_refuses_is_named():
+    per_rank = run_ranks(tw.run_refusals, 2)
+    for out in per_rank:
+        assert out["heads"].startswith("SMPUnsupportedError: GPT2LMHeadModel: tensor_parallel_degree 2 must divide "
+                                       "the attention head counts (num_attention_heads=3"), out["heads"]
+        assert out["max_norm"].startswith("SMPUnsupportedError: smp.nn.DistributedEmbedding with max_norm or sparse "
+                                          "gradients cannot be split"), out["max_norm"]
+        assert "needs equal batch sizes; got [4, 2]" in out["batches"], out["batches"]
+        assert "prescaled_batch is false, so the 2 tensor-parallel ranks [0, 1] join their batches" in out["batches"]

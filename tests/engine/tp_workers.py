@@ -250,3 +250,46 @@ def fresh_mlp_weights(seed: int) -> dict[str, torch.Tensor]:
             out[f"{name}.bias"] = bias
         out[f"{name}.weight"] = w
     return out
+
+
+def run_refusals() -> dict:
+    """What tensor parallelism refuses, with the message each refusal gives (tp 2 on 2 ranks)."""
+    import transformers as tf
+
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"ddp": True, "tensor_parallel_degree": 2})
+    out: dict[str, str] = {}
+
+    def message(fn: Any) -> str:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    def odd_heads() -> None:
+        cfg = tf.GPT2Config(n_layer=1, n_embd=12, n_head=3, vocab_size=VOCAB, n_positions=32)
+        with smp.model_creation(tensor_parallelism=True):
+            net = tf.GPT2LMHeadModel(cfg)
+        smp.DistributedModel(net)
+
+    out["heads"] = message(odd_heads)
+    smp.reset()
+    out["max_norm"] = message(lambda: smp.nn.DistributedEmbedding(VOCAB, 16, max_norm=1.0))
+    smp.reset()
+    with smp.tensor_parallelism():
+        net = MLP()
+    model = smp.DistributedModel(net)
+    smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        loss = loss_of("mlp", model, ids)
+        model.backward(loss)
+        return loss
+
+    rows = 4 if smp.rank() == 0 else 2
+    out["batches"] = message(lambda: train_step(model, global_ids(0, rows)))
+    smp.barrier()
+    return out
