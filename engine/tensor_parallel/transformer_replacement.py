@@ -29,10 +29,11 @@ from smp2ds.engine.tensor_parallel import registry
 from smp2ds.engine.tensor_parallel.group import current
 from smp2ds.engine.tensor_parallel.shards import spec_of
 
-REPLACED_CLASSES = ("GPT2LMHeadModel",)
-"""Hugging Face classes replaced by ``DistributedTransformerLMHead`` (GPT-J/Neo/NeoX: not yet)."""
+REPLACED_CLASSES = ("GPT2LMHeadModel", "BertEncoder", "RobertaEncoder")
+"""Hugging Face classes replaced: GPT-2 by ``DistributedTransformerLMHead``, BERT/RoBERTa encoders by
+``DistributedTransformer`` (GPT-J/Neo/NeoX: not yet, refused)."""
 
-_NOT_YET = ("GPTJForCausalLM", "GPTNeoForCausalLM", "GPTNeoXForCausalLM", "BertEncoder", "RobertaEncoder")
+_NOT_YET = ("GPTJForCausalLM", "GPTNeoForCausalLM", "GPTNeoXForCausalLM")
 
 _ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 
@@ -44,28 +45,62 @@ def wants_replacement(module: torch.nn.Module) -> bool:
 
 
 def replace_marked(root: torch.nn.Module) -> torch.nn.Module:
-    """``root`` with every GPT-2 model asking for SMP's transformer API replaced (run by
-    ``smp.DistributedModel`` before its backend; returns the new root when ``root`` itself is one)."""
-    if _candidate(root):
-        return to_distributed_transformer(root)
-    for name, child in list(root.named_children()):
-        new = replace_marked(child)
+    """``root`` with every model part asking for SMP's transformer API replaced (run by
+    ``smp.DistributedModel`` before its backend; returns the new root when ``root`` itself is one).
+
+    The Hugging Face model around a replaced encoder (its embeddings, pooler, heads) is unmarked:
+    it stays whole on every rank with its weights, as SMP's ``distribute_embedding=False``."""
+    owners: list[torch.nn.Module] = []
+    new = _replace(root, None, owners)
+    for owner in owners:
+        for m in owner.modules():
+            if registry.mark_of(m) is not None:
+                object.__setattr__(m, registry.MARK, registry.Mark(False))
+    return new
+
+
+def _replace(module: torch.nn.Module, owner: torch.nn.Module | None, owners: list) -> torch.nn.Module:
+    """``owner``: the outermost Hugging Face model (a module with ``config``) above ``module``."""
+    owner = owner if owner is not None else (module if hasattr(module, "config") else None)
+    kind = _candidate(module)
+    if kind is not None:
+        _refuse_pipeline(kind)
+        tp = current()
+        if tp.size > 1:
+            registry.sync_replicas(owner or module, tp)  # every rank of the group takes tp rank 0's weights
+        if owner is not None and owner is not module and owner not in owners:
+            owners.append(owner)
+        return _BUILDERS[kind](module)
+    for name, child in list(module.named_children()):
+        new = _replace(child, owner, owners)
         if new is not child:
-            setattr(root, name, new)
-    return root
+            setattr(module, name, new)
+    return module
 
 
-def _candidate(module: torch.nn.Module) -> bool:
+def _refuse_pipeline(kind: str) -> None:
+    from smp2ds.engine.core.state import state
+
+    if state.initialized and int(state.cfg.pipeline_parallel_degree) > 1:
+        target = "DistributedTransformerLMHead" if kind == "GPT2LMHeadModel" else "DistributedTransformer"
+        raise SMPUnsupportedError(
+            f"{kind} replaced by smp.nn.{target} with pipeline_parallel_degree "
+            f"{state.cfg.pipeline_parallel_degree}: pipelining the distributed transformer is not implemented; use "
+            "pipeline_parallel_degree 1, or build the model without SMP's transformer settings (the Hugging "
+            "Face model is then kept and pipelined)")
+
+
+def _candidate(module: torch.nn.Module) -> str | None:
     if not wants_replacement(module):
-        return False
+        return None
     name = type(module).__name__
     if name in _NOT_YET:
         raise SMPUnsupportedError(
             f"{name} created with SMP's distributed-transformer settings {sorted(registry.mark_of(module).kwargs)}: "
-            f"smp2ds replaces only {', '.join(REPLACED_CLASSES)} by smp.nn.DistributedTransformerLMHead; build "
+            f"smp2ds replaces only {', '.join(REPLACED_CLASSES)} by SMP's distributed transformer; build "
             f"{name} inside smp.model_creation(tensor_parallelism=True) without those settings to have it "
             "sharded in place under its Hugging Face names")
-    return name in REPLACED_CLASSES
+    return name if name in REPLACED_CLASSES else None
 
 
 def gpt2_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -96,21 +131,12 @@ def gpt2_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
     """The ``DistributedTransformerLMHead`` replacing Hugging Face GPT-2 model ``hf`` (same weights)."""
-    from smp2ds.engine.core.state import state
     from smp2ds.engine.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
     from smp2ds.engine.nn.transformer import DistributedTransformerLMHead
 
-    if state.initialized and int(state.cfg.pipeline_parallel_degree) > 1:
-        raise SMPUnsupportedError(
-            f"{type(hf).__name__} replaced by smp.nn.DistributedTransformerLMHead with pipeline_parallel_degree "
-            f"{state.cfg.pipeline_parallel_degree}: pipelining the distributed transformer is not implemented; use "
-            "pipeline_parallel_degree 1, or build the model without SMP's transformer settings (the Hugging "
-            "Face model is then kept and pipelined)")
     tp = current()
     settings = dict(registry.mark_of(hf).kwargs)
     new = DistributedTransformerLMHead(**gpt2_arguments(hf.config, settings))
-    if tp.size > 1:
-        registry.sync_replicas(hf, tp)  # every rank of the group takes tp rank 0's weights
     weight = next(hf.parameters())
     new.to(device=weight.device, dtype=weight.dtype)
     load_full(new, translate_hf_state_dict_to_smdistributed_gpt2(hf.state_dict()), tp.rank)
@@ -164,3 +190,79 @@ def smp_output_to_hf(out: Any) -> Any:
 
     loss, logits = out if isinstance(out, tuple) else (None, out)
     return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
+
+
+# ---- BERT / RoBERTa encoders -> DistributedTransformer ---------------------------------------------
+def encoder_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """``DistributedTransformer`` arguments for a BERT/RoBERTa config (post-layernorm, no causal mask)."""
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise SMPUnsupportedError("a BERT/RoBERTa decoder (is_decoder / add_cross_attention) cannot be replaced by "
+                                  "smp.nn.DistributedTransformer: causal and cross attention are not implemented")
+    kind = getattr(config, "position_embedding_type", "absolute") or "absolute"
+    if kind != "absolute":
+        raise SMPUnsupportedError(f"BERT/RoBERTa position_embedding_type={kind!r} is not supported by "
+                                  "smp.nn.DistributedTransformer; supported: 'absolute'")
+    act = config.hidden_act
+    if act not in _ACTIVATIONS:
+        raise SMPUnsupportedError(f"BERT/RoBERTa hidden_act={act!r} is not supported by the distributed "
+                                  f"transformer; supported: {sorted(_ACTIVATIONS)}")
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    args = {
+        "num_layers": config.num_hidden_layers, "num_attention_heads": heads, "attention_head_size": hidden // heads,
+        "hidden_size": hidden, "intermediate_size": config.intermediate_size,
+        "attention_dropout_prob": config.attention_probs_dropout_prob,
+        "hidden_dropout_prob": config.hidden_dropout_prob,
+        "activation": _ACTIVATIONS[act], "layernorm_epsilon": config.layer_norm_eps,
+        "initializer_range": config.initializer_range, "causal_mask_size": None, "pre_layernorm": False,
+        "post_layernorm": True,
+    }
+    return {**args, **settings}
+
+
+def encoder_to_distributed_transformer(encoder: torch.nn.Module) -> torch.nn.Module:
+    """The ``DistributedTransformer`` replacing a BERT/RoBERTa encoder (same weights, HF call contract)."""
+    from smp2ds.engine.nn.huggingface import encoder_names
+    from smp2ds.engine.nn.transformer import DistributedTransformer
+
+    settings = {k: v for k, v in registry.mark_of(encoder).kwargs.items() if k not in _LM_HEAD_ONLY}
+    new = DistributedTransformer(**encoder_arguments(encoder.config, settings))
+    weight = next(encoder.parameters())
+    new.to(device=weight.device, dtype=weight.dtype)
+    load_full(new, encoder_names.hf_to_smp(encoder.state_dict(), "encoder replacement"), current().rank)
+    new.train(encoder.training)
+    object.__setattr__(new, "config", encoder.config)
+    object.__setattr__(new, "_smp2ds_forward_hook", hf_encoder_call_to_smp)
+    object.__setattr__(new, "_smp2ds_return_hook", smp_encoder_output_to_hf)
+    object.__setattr__(new, "_smp2ds_replaced", type(encoder).__name__)
+    return new
+
+
+_LM_HEAD_ONLY = ("vocab_size", "num_positions", "num_token_types", "add_lm_head", "embedding_dropout_prob",
+                 "use_positional_embedding", "tie_input_output_embedding", "use_lm_head_bias")
+
+
+def hf_encoder_call_to_smp(hidden_states: torch.Tensor, attention_mask: Any = None,
+                           encoder_hidden_states: Any = None, encoder_attention_mask: Any = None, *rest: Any,
+                           **kwargs: Any) -> tuple[tuple, dict]:
+    """BertModel's ``encoder(embeddings, attention_mask=...)`` -> SMP's ``((hidden, additive mask),)``."""
+    if isinstance(hidden_states, (tuple, list)):
+        return (hidden_states,), {}  # already SMP's tuple form
+    wants = [k for k in ("output_attentions", "output_hidden_states") if kwargs.get(k)]
+    if rest or encoder_hidden_states is not None or encoder_attention_mask is not None or wants:
+        raise SMPUnsupportedError("the encoder replaced by smp.nn.DistributedTransformer takes hidden states and "
+                                  f"an attention mask only; got also {wants or 'cross-attention inputs'}")
+    if attention_mask is not None and attention_mask.dtype == torch.bool:  # sdpa's mask: True = attend
+        attention_mask = torch.zeros(attention_mask.shape, dtype=hidden_states.dtype, device=hidden_states.device) \
+            .masked_fill(~attention_mask, torch.finfo(hidden_states.dtype).min)
+    return ((hidden_states, attention_mask),), {}
+
+
+def smp_encoder_output_to_hf(out: Any) -> Any:
+    """``(hidden, mask)`` -> Hugging Face's encoder output (``last_hidden_state``)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+    return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=out[0])
+
+
+_BUILDERS = {"GPT2LMHeadModel": to_distributed_transformer, "BertEncoder": encoder_to_distributed_transformer,
+             "RobertaEncoder": encoder_to_distributed_transformer}

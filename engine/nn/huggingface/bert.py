@@ -1,19 +1,20 @@
-"""``smp.nn.huggingface.bert``: BERT state-dict translators (see the package docstring:
-the engine keeps Hugging Face's names, so both directions keep keys and tensors)."""
+"""``smp.nn.huggingface.bert``: BERT state dicts between Hugging Face's names and SMP's, whose
+``DistributedTransformer`` replaces the encoder (:mod:`encoder_names`: only encoder layers are renamed;
+a state dict of the in-place sharded model already has Hugging Face's names and passes unchanged)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from smp2ds.engine.nn.huggingface import same_layout
+from smp2ds.engine.nn.huggingface import encoder_names
 
 
 def translate_hf_state_dict_to_smdistributed_bert(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A Hugging Face BERT state dict -> the engine's layout (the same names)."""
-    return same_layout(state_dict)
+    """A Hugging Face BERT state dict -> SMP's names (encoder layers under ``seq_layers``)."""
+    return encoder_names.hf_to_smp(state_dict, "translate_hf_state_dict_to_smdistributed_bert")
 
 
 def translate_state_dict_to_hf_bert(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A BERT state dict in the engine's layout -> Hugging Face's (the same names)."""
-    return same_layout(state_dict)
+    """An SMP BERT state dict -> Hugging Face's names (exact inverse)."""
+    return encoder_names.smp_to_hf(state_dict, "translate_state_dict_to_hf_bert")
