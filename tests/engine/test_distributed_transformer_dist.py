@@ -1,9 +1,10 @@
 """SMP's distributed transformer at tensor_parallel_degree 2 on 2 real ranks (gloo, DeepSpeed):
 a Hugging Face GPT-2 built inside ``smp.model_creation(tensor_parallelism=True, <SMP settings>)``
-becomes ``smp.nn.DistributedTransformerLMHead``; its logits equal the Hugging Face model's, each
+becomes ``smp.nn.DistributedTransformerLMHead`` (a BERT's encoder ``DistributedTransformer``); its
+logits equal the Hugging Face model's, each
 rank holds half of every split projection, and training (AdamW, and SGD with activation
 checkpointing of ``.attention`` / ``.output``) equals single-process Hugging Face GPT-2 training,
-weights compared through ``translate_state_dict_to_hf_gpt2``."""
+weights compared through ``translate_state_dict_to_hf_gpt2`` / ``_bert``."""
 
 from __future__ import annotations
 
@@ -19,30 +20,35 @@ CONFIG = {"ddp": True, "tensor_parallel_degree": 2, "tensor_parallel_seed": 3}
 PHASES = [
     {"optimizer": "adamw", "seed": 1, "steps": 3},
     {"optimizer": "sgd", "seed": 2, "steps": 2, "activation_checkpointing": True},
+    {"optimizer": "adamw", "seed": 4, "steps": 2, "family": "bert", "activation_checkpointing": True},
 ]
 
 
 @pytest.mark.slow
-def test_tp2_distributed_transformer_matches_hugging_face_gpt2():
+def test_tp2_distributed_transformer_matches_hugging_face_gpt2_and_bert():
     per_rank = run_ranks(tw.run, 2, CONFIG, PHASES, B)
     for p, phase in enumerate(PHASES):
         ref = tw.reference(phase, 2, B)
-        hf = tw.hf_gpt2(phase["seed"]).eval()
+        hf = tw.hf_of(phase).eval()
+        bert = phase.get("family") == "bert"
+        prefix = "bert.encoder" if bert else "transformer"
         ids, mask = tw.batch(100, 2 * B)
         with torch.no_grad():
             want_logits = hf(input_ids=ids, attention_mask=mask).logits
         for rank in range(2):
             got = per_rank[rank][p]
-            assert got["class"] == "DistributedTransformerLMHead" and got["config_n_layer"] == 2
+            assert got["class"] == ("BertForMaskedLM" if bert else "DistributedTransformerLMHead")
+            assert got["stack"] == "DistributedTransformer" and got["config_layers"] == 2
             assert got["layers"] == ["DistributedTransformerLayer"] * 2
             keep = mask[rank * B:(rank + 1) * B].bool()
             np.testing.assert_allclose(got["logits"][keep.numpy()], want_logits[rank * B:(rank + 1) * B][keep].numpy(),
                                        rtol=1e-5, atol=1e-5)
-            local, full = got["shards"]["transformer.seq_layers.0.attention.query.weight"]
+            local, full = got["shards"][f"{prefix}.seq_layers.0.attention.query.weight"]
             assert local * 2 == full == 16 * 16
-            local, full = got["shards"]["transformer.seq_layers.0.output.dense2.weight"]
-            assert local * 2 == full == 16 * 64
-            assert got["shards"]["word_embedding.weight"][0] == VOCAB_ROWS * 16  # replicated
+            local, full = got["shards"][f"{prefix}.seq_layers.0.output.dense2.weight"]
+            assert local * 2 == full == 16 * (32 if bert else 64)
+            embedding = "bert.embeddings.word_embeddings.weight" if bert else "word_embedding.weight"
+            assert got["shards"][embedding][0] == VOCAB_ROWS * 16  # replicated
             np.testing.assert_allclose(got["losses"], [step[rank] for step in ref["losses"]], rtol=1e-4, atol=1e-6)
             assert set(got["weights"]) == set(ref["weights"])
             for key, want in ref["weights"].items():

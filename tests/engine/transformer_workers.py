@@ -30,6 +30,29 @@ def hf_gpt2(seed: int) -> torch.nn.Module:
     return tf.GPT2LMHeadModel(cfg)
 
 
+def hf_bert(seed: int) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                        vocab_size=VOCAB, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    return tf.BertForMaskedLM(cfg)
+
+
+def hf_of(phase: dict) -> torch.nn.Module:
+    return hf_bert(phase["seed"]) if phase.get("family") == "bert" else hf_gpt2(phase["seed"])
+
+
+def to_hf_names(phase: dict, sd: dict) -> dict:
+    from smp2ds.engine.nn.huggingface.bert import translate_state_dict_to_hf_bert
+    from smp2ds.engine.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
+
+    return translate_state_dict_to_hf_bert(sd) if phase.get("family") == "bert" else \
+        translate_state_dict_to_hf_gpt2(sd)
+
+
 def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and an attention mask with some right padding (labels -100 there)."""
     g = torch.Generator().manual_seed(900 + step)
@@ -51,7 +74,7 @@ def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
 
 def reference(phase: dict, ranks: int, b: int) -> dict:
     """Single-process Hugging Face GPT-2 on the union of the ranks' batches (equal sizes: mean of means)."""
-    model = hf_gpt2(phase["seed"])
+    model = hf_of(phase)
     opt = make_optimizer(phase["optimizer"], model.parameters())
     losses = []
     for step in range(phase["steps"]):
@@ -67,14 +90,14 @@ def reference(phase: dict, ranks: int, b: int) -> dict:
 
 
 def _train(smp: Any, phase: dict, b: int) -> dict:
-    from smp2ds.engine.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
-
     with smp.model_creation(tensor_parallelism=True, **SETTINGS):
-        net = hf_gpt2(phase["seed"])
+        net = hf_of(phase)
     model = smp.DistributedModel(net)
     module = model.get_module()
-    out: dict[str, Any] = {"class": type(module).__name__, "config_n_layer": module.config.n_layer}
-    layers = list(module.transformer.seq_layers.children())
+    stack = module.bert.encoder if phase.get("family") == "bert" else module.transformer
+    out: dict[str, Any] = {"class": type(module).__name__, "stack": type(stack).__name__,
+                           "config_layers": module.config.num_hidden_layers}
+    layers = list(stack.seq_layers.children())
     out["layers"] = [type(layer).__name__ for layer in layers]
     if phase.get("activation_checkpointing"):
         for layer in layers:
@@ -103,7 +126,7 @@ def _train(smp: Any, phase: dict, b: int) -> dict:
         out["losses"].append(train_step(model, ids[mine], mask[mine]).reduce_mean().item())
         opt.step()
         opt.zero_grad()
-    out["weights"] = translate_state_dict_to_hf_gpt2(model.state_dict())
+    out["weights"] = to_hf_names(phase, model.state_dict())
     return out
 
 
