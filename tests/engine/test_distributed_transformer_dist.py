@@ -24,24 +24,38 @@ PHASES = [
 ]
 
 
+RUNS = {
+    # id: (world, smp config, phases)
+    "tp2": (2, CONFIG, PHASES),
+    "tp2-rdp2-prescaled": (4, {"ddp": True, "tensor_parallel_degree": 2, "prescaled_batch": True}, [
+        {"optimizer": "sgd", "seed": 5, "steps": 2},
+        {"optimizer": "adamw", "seed": 6, "steps": 2, "family": "bert"},
+    ]),
+}
+
+
 @pytest.mark.slow
-def test_tp2_distributed_transformer_matches_hugging_face_gpt2_and_bert():
-    per_rank = run_ranks(tw.run, 2, CONFIG, PHASES, B)
-    for p, phase in enumerate(PHASES):
-        ref = tw.reference(phase, 2, B)
+@pytest.mark.parametrize("run_id", list(RUNS))
+def test_tp2_distributed_transformer_matches_hugging_face_gpt2_and_bert(run_id):
+    world, config, phases = RUNS[run_id]
+    per_rank = run_ranks(tw.run, world, config, phases, B)
+    for p, phase in enumerate(phases):
+        data_ranks = per_rank[0][p]["data_ranks"]
+        ref = tw.reference(phase, data_ranks, B)
         hf = tw.hf_of(phase).eval()
         bert = phase.get("family") == "bert"
         prefix = "bert.encoder" if bert else "transformer"
-        ids, mask = tw.batch(100, 2 * B)
+        ids, mask = tw.batch(100, data_ranks * B)
         with torch.no_grad():
             want_logits = hf(input_ids=ids, attention_mask=mask).logits
-        for rank in range(2):
+        for rank in range(world):
             got = per_rank[rank][p]
+            r = got["data_rank"]
             assert got["class"] == ("BertForMaskedLM" if bert else "DistributedTransformerLMHead")
             assert got["stack"] == "DistributedTransformer" and got["config_layers"] == 2
             assert got["layers"] == ["DistributedTransformerLayer"] * 2
-            keep = mask[rank * B:(rank + 1) * B].bool()
-            np.testing.assert_allclose(got["logits"][keep.numpy()], want_logits[rank * B:(rank + 1) * B][keep].numpy(),
+            keep = mask[r * B:(r + 1) * B].bool()
+            np.testing.assert_allclose(got["logits"][keep.numpy()], want_logits[r * B:(r + 1) * B][keep].numpy(),
                                        rtol=1e-5, atol=1e-5)
             local, full = got["shards"][f"{prefix}.seq_layers.0.attention.query.weight"]
             assert local * 2 == full == 16 * 16
@@ -49,7 +63,7 @@ def test_tp2_distributed_transformer_matches_hugging_face_gpt2_and_bert():
             assert local * 2 == full == 16 * (32 if bert else 64)
             embedding = "bert.embeddings.word_embeddings.weight" if bert else "word_embedding.weight"
             assert got["shards"][embedding][0] == VOCAB_ROWS * 16  # replicated
-            np.testing.assert_allclose(got["losses"], [step[rank] for step in ref["losses"]], rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(got["losses"], [step[r] for step in ref["losses"]], rtol=1e-4, atol=1e-6)
             assert set(got["weights"]) == set(ref["weights"])
             for key, want in ref["weights"].items():
                 np.testing.assert_allclose(got["weights"][key], want.numpy(), rtol=1e-4, atol=1e-5, err_msg=key)

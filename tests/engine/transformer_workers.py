@@ -3,8 +3,9 @@
 Each rank builds a Hugging Face GPT-2 from the same seed inside ``smp.model_creation(tensor_parallelism=
 True, <SMP transformer settings>)``: ``smp.DistributedModel`` replaces it by
 ``smp.nn.DistributedTransformerLMHead``. ``prescaled_batch`` false: every rank (SMP's dp = tp x rdp)
-takes rows ``[dp_rank*b, (dp_rank+1)*b)`` of the step's global batch; the reference trains the
-Hugging Face model on the whole batch (the mean of the ranks' equal-sized losses).
+takes rows ``[dp_rank*b, (dp_rank+1)*b)`` of the step's global batch; true: the tensor-parallel group
+shares rows ``[rdp_rank*b, ...)``. The reference trains the Hugging Face model on the whole batch (the
+mean of the data ranks' equal-sized losses).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def _train(smp: Any, phase: dict, b: int) -> dict:
         for layer in layers:
             smp.set_activation_checkpointing(layer.attention)
             smp.set_activation_checkpointing(layer.output)
-    rank, ranks = smp.dp_rank(), smp.dp_size()
+    prescaled = bool(smp.state.cfg.prescaled_batch)  # the tensor-parallel group shares its rdp rank's rows
+    rank, ranks = (smp.rdp_rank(), smp.rdp_size()) if prescaled else (smp.dp_rank(), smp.dp_size())
     ids, mask = batch(100, ranks * b)
     mine = slice(rank * b, (rank + 1) * b)
     module.eval()
@@ -127,6 +129,7 @@ def _train(smp: Any, phase: dict, b: int) -> dict:
         opt.step()
         opt.zero_grad()
     out["weights"] = to_hf_names(phase, model.state_dict())
+    out["data_rank"], out["data_ranks"] = rank, ranks
     return out
 
 
