@@ -75,6 +75,9 @@ def _block(value: Any) -> dict[str, Any]:
 
 def _build(doc: Document, given: dict[str, Any]) -> SMPConfig:
     pointers = {k: doc.pointer(k) for k in given}
+    if isinstance(doc.params, Mapping) and "$schema" in doc.params:
+        # Editor metadata, not a setting: kept out of `given`, but explain still reports its fate.
+        pointers["$schema"] = doc.pointer("$schema")
     mpi = _block(doc.mpi)
     if doc.distribution is not None:
         mpi.setdefault("enabled", False)

@@ -92,18 +92,16 @@ def test_explain_gives_every_key_a_fate(tmp_path, capsys, doc, world):
     assert code in (0, 1), (doc, world, code, err)
     if code == 0:
         fates = {k["pointer"]: k["fate"] for k in json.loads(out)["keys"]}
-        # `$schema` (editor metadata, fate "ignored" in keymap.py) is not listed yet: see the xfail below
-        missing = [k for k in doc if f"/{escape(k)}" not in fates and k != "$schema"]
+        missing = [k for k in doc if f"/{escape(k)}" not in fates]
         assert not missing, (doc, missing, fates)
         assert set(fates.values()) <= {"mapped", "engine", "ignored", "unsupported"}
 
 
-@pytest.mark.xfail(strict=True, reason="found by the property above: normalize drops `$schema` before keymap's "
-                   "key_notes, so explain omits the key although keymap.py gives it the fate 'ignored'")
 def test_explain_lists_the_schema_key(tmp_path, capsys):
-    code, out, _ = _cli(["explain", "--format", "json"], {"$schema": "x", "ddp": True}, tmp_path, capsys)
+    code, out, _ = _cli(["explain", "--format", "json", "--world-size", "2"], {"$schema": "x", "ddp": True}, tmp_path, capsys)
     assert code == 0
-    assert "/$schema" in {k["pointer"] for k in json.loads(out)["keys"]}
+    notes = {k["pointer"]: k for k in json.loads(out)["keys"]}
+    assert notes["/$schema"]["fate"] == "ignored" and "editors" in notes["/$schema"]["reason"]
 
 
 def _wrong_type_value(spec: dict[str, Any]) -> Any:
