@@ -26,7 +26,7 @@ PHASES = [
 
 RUNS = {
     # id: (world, smp config, phases)
-    "tp2": (2, CONFIG, PHASES),
+    "tp2": (2, CONFIG, [*PHASES, {"optimizer": "sgd", "seed": 7, "steps": 2, "dropout": 0.2}]),
     "tp2-rdp2-prescaled": (4, {"ddp": True, "tensor_parallel_degree": 2, "prescaled_batch": True}, [
         {"optimizer": "sgd", "seed": 5, "steps": 2},
         {"optimizer": "adamw", "seed": 6, "steps": 2, "family": "bert"},
@@ -40,6 +40,9 @@ def test_tp2_distributed_transformer_matches_hugging_face_gpt2_and_bert(run_id):
     world, config, phases = RUNS[run_id]
     per_rank = run_ranks(tw.run, world, config, phases, B)
     for p, phase in enumerate(phases):
+        if phase.get("dropout"):
+            _check_dropout_keeps_replicas_equal([r[p] for r in per_rank], tw.hf_of(phase).state_dict())
+            continue
         data_ranks = per_rank[0][p]["data_ranks"]
         ref = tw.reference(phase, data_ranks, B)
         hf = tw.hf_of(phase).eval()
@@ -70,6 +73,19 @@ def test_tp2_distributed_transformer_matches_hugging_face_gpt2_and_bert(run_id):
 
 
 VOCAB_ROWS = tw.VOCAB
+
+
+def _check_dropout_keeps_replicas_equal(runs: list, initial_hf: dict) -> None:
+    """With dropout the tensor-parallel ranks must draw the same masks inside the region (the group's
+    stream): replicated parameters stay equal on both ranks, split ones differ, and training moved them."""
+    a, b = runs[0]["local"], runs[1]["local"]
+    replicated = [k for k in a if k.endswith("layernorm.weight") or k.endswith("embedding.weight")]
+    assert len(replicated) == 2 * 2 + 1 + 2  # attention/output norms per layer, final norm, 2 embeddings
+    for key in replicated:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    assert not np.array_equal(a["transformer.seq_layers.0.attention.query.weight"],
+                              b["transformer.seq_layers.0.attention.query.weight"])
+    assert not np.allclose(a["word_embedding.weight"], initial_hf["transformer.wte.weight"].numpy())
 
 
 @pytest.mark.slow

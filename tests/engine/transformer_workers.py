@@ -21,12 +21,12 @@ SETTINGS = {"fused_softmax": True, "fused_bias_gelu": False, "attention_in_fp32"
 """What SMP's GPT-2 example passes to model_creation (asks for SMP's transformer API)."""
 
 
-def hf_gpt2(seed: int) -> torch.nn.Module:
+def hf_gpt2(seed: int, dropout: float = 0.0) -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = tf.GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = tf.GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=dropout)
     cfg._attn_implementation = "eager"
     return tf.GPT2LMHeadModel(cfg)
 
@@ -43,7 +43,9 @@ def hf_bert(seed: int) -> torch.nn.Module:
 
 
 def hf_of(phase: dict) -> torch.nn.Module:
-    return hf_bert(phase["seed"]) if phase.get("family") == "bert" else hf_gpt2(phase["seed"])
+    if phase.get("family") == "bert":
+        return hf_bert(phase["seed"])
+    return hf_gpt2(phase["seed"], phase.get("dropout", 0.0))
 
 
 def to_hf_names(phase: dict, sd: dict) -> dict:
@@ -94,6 +96,8 @@ def _train(smp: Any, phase: dict, b: int) -> dict:
     with smp.model_creation(tensor_parallelism=True, **SETTINGS):
         net = hf_of(phase)
     model = smp.DistributedModel(net)
+    if phase.get("dropout"):
+        torch.manual_seed(1000 + smp.rank())  # per-rank streams: only the region's own stream keeps masks equal
     module = model.get_module()
     stack = module.bert.encoder if phase.get("family") == "bert" else module.transformer
     out: dict[str, Any] = {"class": type(module).__name__, "stack": type(stack).__name__,
@@ -130,6 +134,7 @@ def _train(smp: Any, phase: dict, b: int) -> dict:
         opt.zero_grad()
     out["weights"] = to_hf_names(phase, model.state_dict())
     out["data_rank"], out["data_ranks"] = rank, ranks
+    out["local"] = {k: v.detach().clone() for k, v in model.local_state_dict().items() if torch.is_tensor(v)}
     return out
 
 
