@@ -18,7 +18,7 @@ from tests.engine import transformer_workers as tw
 B = 3
 CONFIG = {"ddp": True, "tensor_parallel_degree": 2, "tensor_parallel_seed": 3}
 PHASES = [
-    {"optimizer": "adamw", "seed": 1, "steps": 3},
+    {"optimizer": "adamw", "seed": 1, "steps": 3, "checkpoint": True},
     {"optimizer": "sgd", "seed": 2, "steps": 2, "activation_checkpointing": True},
     {"optimizer": "adamw", "seed": 4, "steps": 2, "family": "bert", "activation_checkpointing": True},
 ]
@@ -70,6 +70,11 @@ def test_tp2_distributed_transformer_matches_hugging_face_gpt2_and_bert(run_id):
             assert set(got["weights"]) == set(ref["weights"])
             for key, want in ref["weights"].items():
                 np.testing.assert_allclose(got["weights"][key], want.numpy(), rtol=1e-4, atol=1e-5, err_msg=key)
+            if phase.get("checkpoint"):  # partial checkpoint of the replaced model -> resume == uninterrupted
+                ckpt = got["checkpoint"]
+                assert any("0_1" in f for f in ckpt["files"]) and any("0_0" in f for f in ckpt["files"])
+                for key, want in ckpt["uninterrupted"].items():
+                    np.testing.assert_allclose(ckpt["resumed"][key], want, rtol=1e-6, atol=1e-7, err_msg=key)
 
 
 VOCAB_ROWS = tw.VOCAB

@@ -132,10 +132,43 @@ def _train(smp: Any, phase: dict, b: int) -> dict:
         out["losses"].append(train_step(model, ids[mine], mask[mine]).reduce_mean().item())
         opt.step()
         opt.zero_grad()
-    out["weights"] = to_hf_names(phase, model.state_dict())
+    out["weights"] = {k: v.clone() for k, v in to_hf_names(phase, model.state_dict()).items()}  # the resume trains on
     out["data_rank"], out["data_ranks"] = rank, ranks
     out["local"] = {k: v.detach().clone() for k, v in model.local_state_dict().items() if torch.is_tensor(v)}
+    if phase.get("checkpoint"):
+        out["checkpoint"] = _resume(smp, phase, model, opt, train_step, ids[mine], mask[mine])
     return out
+
+
+def _resume(smp: Any, phase: dict, model: Any, opt: Any, train_step: Any, ids: torch.Tensor,
+            mask: torch.Tensor) -> dict:
+    """Partial checkpoint (a file per tp rank) -> a freshly replaced model with other weights and a new
+    optimizer -> resume: the next step equals the uninterrupted one."""
+    import os
+
+    path = os.path.join(os.environ["SMP2DS_TEST_TMPDIR"], "transformer_ckpt")
+    smp.save_checkpoint(path, "partial", partial=True, model=model, optimizer=opt)
+    smp.barrier()
+    train_step(model, ids, mask)
+    opt.step()
+    uninterrupted = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    smp.reset()
+    with smp.model_creation(tensor_parallelism=True, **SETTINGS):
+        net = hf_of({**phase, "seed": phase["seed"] + 1000})
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(make_optimizer(phase["optimizer"], model.parameters()))
+    smp.resume_from_checkpoint(path, tag="partial", partial=True)
+
+    @smp.step
+    def step_again(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels_of(ids, mask))["loss"]
+        model.backward(loss)
+        return loss
+
+    step_again(model, ids, mask)
+    opt.step()
+    return {"uninterrupted": uninterrupted, "resumed": model.state_dict(),
+            "files": sorted(os.listdir(os.path.join(path, "partial_partial")))}
 
 
 def run(config: dict, phases: list[dict], b: int) -> list[dict]:
