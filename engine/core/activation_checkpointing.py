@@ -67,8 +67,29 @@ def checkpoint(module: torch.nn.Module, *args: Any, preserve_rng_state: bool = T
     return _run_checkpointed(module, args, kwargs, preserve_rng_state)
 
 
+CHECKPOINT_INSIDE = "_smp2ds_checkpoint_inside"
+"""A module that has this attribute (None until checkpointed) runs its own body through the
+function stored there instead of having its whole ``forward`` checkpointed from outside.
+
+Tensor-parallel regions use it: they draw dropout from their group's random stream, which they
+enter inside their ``forward``. Checkpointed from outside, the recomputation would restore the
+script's stream and re-enter the group's stream at a later state (other masks, wrong gradients);
+checkpointed inside the region, PyTorch saves and restores the group's stream itself. A module
+that contains such regions is checkpointed region by region for the same reason."""
+
+
 def _wrap(module: torch.nn.Module, preserve_rng_state: bool) -> None:
     if getattr(module, "_smp2ds_checkpointed", False):
+        return
+    if hasattr(module, CHECKPOINT_INSIDE):
+        setattr(module, CHECKPOINT_INSIDE,
+                lambda fn, *args, **kwargs: _run_checkpointed(fn, args, kwargs, preserve_rng_state))
+        module._smp2ds_checkpointed = True
+        return
+    regions = [m for m in module.modules() if m is not module and hasattr(m, CHECKPOINT_INSIDE)]
+    if regions:
+        for region in regions:
+            _wrap(region, preserve_rng_state)
         return
     original = module.forward
 

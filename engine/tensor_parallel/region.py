@@ -10,18 +10,20 @@ one batch and the region passes tensors through.
 Inside a region dropout must draw the same mask on every rank of the group (the activations
 between column- and row-parallel layers are replicated), so the region runs on the group's own
 random stream (:mod:`smp2ds.engine.tensor_parallel.rng`), seeded from ``tensor_parallel_seed``.
-Known limit: when such a region is also activation-checkpointed and has dropout > 0, its
-recomputation draws the stream's next masks, not the ones of the first forward (PyTorch's
-checkpoint restores the script's stream, not this one); without dropout recomputation is exact.
+A region that is activation-checkpointed (``smp.set_activation_checkpointing``) checkpoints its
+body inside the group's stream (:data:`~smp2ds.engine.core.activation_checkpointing.CHECKPOINT_INSIDE`),
+so the recomputation in backward restores that stream and draws the masks of the first forward.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from smp2ds.engine.core.activation_checkpointing import CHECKPOINT_INSIDE
 from smp2ds.engine.tensor_parallel import rng
 from smp2ds.engine.tensor_parallel.collectives import gather_batch, slice_batch
 from smp2ds.engine.tensor_parallel.group import TPGroup
@@ -96,13 +98,18 @@ class _Region:
     _smp2ds_tp: TPGroup
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return run_region(self._smp2ds_tp, super().forward, args, kwargs)
+        body = super().forward
+        checkpointed = getattr(self, CHECKPOINT_INSIDE)
+        if checkpointed is not None and torch.is_grad_enabled():
+            body = functools.partial(checkpointed, body)
+        return run_region(self._smp2ds_tp, body, args, kwargs)
 
 
 def make_region(module: torch.nn.Module, tp: TPGroup) -> None:
     """Turn ``module`` into a tensor-parallel region in place and mark its parameters as seeing
     the group's joined batch (their gradients already sum the group's samples)."""
     module._smp2ds_tp = tp
+    setattr(module, CHECKPOINT_INSIDE, None)
     swap_class(module, _Region)
     mark_scaled_batch(module)
 
