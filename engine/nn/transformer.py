@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn import transformer_options as opts
 from smp2ds.engine.nn.transformer_layers import (
     DistributedLayerNorm,
@@ -123,6 +124,9 @@ class DistributedTransformerLMHead(RegionModule):
             if positions is None:
                 positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
             hidden = hidden + self.position_embedding(positions)
+        elif positions is not None:
+            raise SMPUnsupportedError("smp.nn.DistributedTransformerLMHead without a position embedding (rotary) "
+                                      "takes no position_ids: its positions are 0..S-1; pass position_ids=None")
         if self.token_type_embedding is not None and token_types is not None:
             hidden = hidden + self.token_type_embedding(token_types)
         additive = None

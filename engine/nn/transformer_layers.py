@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn import transformer_options as opts
 from smp2ds.engine.tensor_parallel import group as tp_group
 from smp2ds.engine.tensor_parallel import registry, rng
@@ -98,6 +99,20 @@ class RegionModule(DistributedModule):
             mark_scaled_batch(self)
 
 
+def _rotary(x: torch.Tensor, dim: int, base: float) -> torch.Tensor:
+    """GPT-NeoX rotary embedding of the first ``dim`` features of ``x`` [N, heads, S, head size]
+    (positions 0..S-1; the two halves of those features rotate as pairs)."""
+    seq = x.shape[-2]
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32, device=x.device), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    rot, rest = x[..., :dim], x[..., dim:]
+    first, second = rot[..., : dim // 2], rot[..., dim // 2:]
+    rotated = rot * cos + torch.cat((-second, first), dim=-1) * sin
+    return torch.cat((rotated, rest), dim=-1)
+
+
 def _residual_add(x: torch.Tensor, residual: torch.Tensor, in_fp32: bool) -> torch.Tensor:
     if in_fp32 and x.dtype != torch.float32:
         return (x.float() + residual.float()).to(x.dtype)
@@ -157,6 +172,8 @@ class DistributedAttentionLayer(RegionModule):
         o = self.options
         x = self.layernorm(hidden) if self.pre_layernorm else hidden
         q, k, v = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
+        if o.rotary_dim:
+            q, k = _rotary(q, o.rotary_dim, o.rotary_emb_base), _rotary(k, o.rotary_dim, o.rotary_emb_base)
         in_fp32 = o.attention_in_fp32 or o.query_key_layer_scaling
         if in_fp32:
             q, k = q.float(), k.float()
@@ -173,7 +190,10 @@ class DistributedAttentionLayer(RegionModule):
             scores = scores + mask.to(scores.dtype)
         probs = self.attention_dropout(torch.softmax(scores, dim=-1).to(v.dtype))
         context = torch.matmul(probs, v).transpose(1, 2).reshape(hidden.shape[0], s, -1)
-        out = _residual_add(self.hidden_dropout(self.dense(context)), hidden, o.fp32_residual_addition)
+        out = self.hidden_dropout(self.dense(context))
+        if o.parallel_attn_output:
+            return out  # the layer adds attention, MLP and residual together
+        out = _residual_add(out, hidden, o.fp32_residual_addition)
         return out if self.pre_layernorm else self.layernorm(out)
 
 
@@ -207,6 +227,8 @@ class DistributedTransformerOutputLayer(RegionModule):
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.layernorm(hidden) if self.pre_layernorm else hidden
         x = self.dropout(self.dense2(_ACTIVATIONS[self.activation](self.dense1(x))))
+        if self.options.parallel_attn_output:
+            return x
         out = _residual_add(x, hidden, self.options.fp32_residual_addition)
         return out if self.pre_layernorm else self.layernorm(out)
 
@@ -232,6 +254,10 @@ class DistributedTransformerLayer(RegionModule):
         self.output = DistributedTransformerOutputLayer(
             hidden_size, intermediate_size, hidden_dropout_prob, activation,
             fp32_residual_addition=fp32_residual, **common, **extras)
+        self.parallel = bool(extras.get("parallel_attn_output", False))
+        if self.parallel and not pre_layernorm:
+            raise SMPUnsupportedError("smp.nn.DistributedTransformerLayer(parallel_attn_output=True) needs "
+                                      "pre_layernorm=True (each branch normalises its own input)")
         self._adopt()
 
     def forward(self, inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -239,5 +265,7 @@ class DistributedTransformerLayer(RegionModule):
         return self._region(self._forward, hidden, mask)
 
     def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.parallel:  # GPT-NeoX / GPT-J: x + attention(LN1(x)) + MLP(LN2(x))
+            return self.output(hidden) + self.attention((hidden, mask)) + hidden, mask
         return self.output(self.attention((hidden, mask))), mask
 

@@ -31,6 +31,10 @@ class Options:
     tie_input_output_embedding: bool = True
     use_lm_head_bias: bool = False
     final_layernorm: bool = False
+    rotary_dim: int | None = None
+    rotary_emb_base: float = 10000
+    gpt_neox_type_rotary: bool = False
+    parallel_attn_output: bool = False
 
 
 KERNEL_CHOICES = ("fused_softmax", "fused_dropout", "fused_bias_gelu")
@@ -41,11 +45,7 @@ _IGNORED_POSITIONAL = ("layer_idx", "input_layer", "output_layer", "full_attenti
 
 _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "distribute_embedding": (False, None),
-    "rotary_dim": (None, 0),
     "rotary_pct": (None,),
-    "rotary_emb_base": (None, 10000),
-    "gpt_neox_type_rotary": (False, None),
-    "parallel_attn_output": (False, None),
     "use_alibi": (False, None),
     "alibi_bias_max": (8, None),
     "attention_layers_type": (None, "global"),
@@ -94,6 +94,12 @@ def parse(where: str, extras: dict[str, Any]) -> Options:
             raise SMPInvalidArgumentError(
                 f"smp.nn.{where} got unknown keyword argument {key!r}={value!r}; accepted extras: "
                 f"{sorted(fields | set(KERNEL_CHOICES) | set(_IGNORED_POSITIONAL) | set(_REFUSED_UNLESS))}")
+    if used.get("rotary_dim") and not used.get("gpt_neox_type_rotary"):
+        raise SMPUnsupportedError(
+            f"smp.nn.{where}(rotary_dim={used['rotary_dim']}, gpt_neox_type_rotary=False): GPT-J style (interleaved) "
+            "rotary embeddings are not implemented by smp2ds; supported: gpt_neox_type_rotary=True")
+    if not used.get("rotary_dim"):
+        used["rotary_dim"] = None
     return Options(**used)
 
 

@@ -29,11 +29,11 @@ from smp2ds.engine.tensor_parallel import registry
 from smp2ds.engine.tensor_parallel.group import current
 from smp2ds.engine.tensor_parallel.shards import spec_of
 
-REPLACED_CLASSES = ("GPT2LMHeadModel", "BertEncoder", "RobertaEncoder")
-"""Hugging Face classes replaced: GPT-2 by ``DistributedTransformerLMHead``, BERT/RoBERTa encoders by
-``DistributedTransformer`` (GPT-J/Neo/NeoX: not yet, refused)."""
+REPLACED_CLASSES = ("GPT2LMHeadModel", "GPTNeoXForCausalLM", "BertEncoder", "RobertaEncoder")
+"""Hugging Face classes replaced: GPT-2 and GPT-NeoX by ``DistributedTransformerLMHead``, BERT/RoBERTa
+encoders by ``DistributedTransformer`` (GPT-J/Neo: not yet, refused)."""
 
-_NOT_YET = ("GPTJForCausalLM", "GPTNeoForCausalLM", "GPTNeoXForCausalLM")
+_NOT_YET = ("GPTJForCausalLM", "GPTNeoForCausalLM")
 
 _ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 
@@ -82,7 +82,7 @@ def _refuse_pipeline(kind: str) -> None:
     from smp2ds.engine.core.state import state
 
     if state.initialized and int(state.cfg.pipeline_parallel_degree) > 1:
-        target = "DistributedTransformerLMHead" if kind == "GPT2LMHeadModel" else "DistributedTransformer"
+        target = "DistributedTransformer" if kind.endswith("Encoder") else "DistributedTransformerLMHead"
         raise SMPUnsupportedError(
             f"{kind} replaced by smp.nn.{target} with pipeline_parallel_degree "
             f"{state.cfg.pipeline_parallel_degree}: pipelining the distributed transformer is not implemented; use "
@@ -129,17 +129,55 @@ def gpt2_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {**args, **settings}
 
 
+def gptneox_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """``DistributedTransformerLMHead`` arguments for a GPT-NeoX config (rotary, parallel residual)."""
+    act = config.hidden_act
+    if act not in _ACTIVATIONS:
+        raise SMPUnsupportedError(f"GPT-NeoX hidden_act={act!r} is not supported by the distributed transformer; "
+                                  f"supported: {sorted(_ACTIVATIONS)}")
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise SMPUnsupportedError(f"GPT-NeoX rope_type={rope['rope_type']!r} (scaled rotary) is not supported by "
+                                  "the distributed transformer; supported: 'default'")
+    if not getattr(config, "attention_bias", True):
+        raise SMPUnsupportedError("GPT-NeoX with attention_bias=False is not supported by the distributed transformer")
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_size = hidden // heads
+    factor = rope.get("partial_rotary_factor", getattr(config, "rotary_pct", 1.0))
+    args = {
+        "num_layers": config.num_hidden_layers, "num_attention_heads": heads, "attention_head_size": head_size,
+        "hidden_size": hidden, "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size,
+        "num_positions": config.max_position_embeddings, "attention_dropout_prob": config.attention_dropout,
+        "hidden_dropout_prob": config.hidden_dropout, "embedding_dropout_prob": config.hidden_dropout,
+        "activation": _ACTIVATIONS[act], "layernorm_epsilon": config.layer_norm_eps,
+        "causal_mask_size": config.max_position_embeddings, "initializer_range": config.initializer_range,
+        "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True, "use_positional_embedding": False,
+        "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", False)),
+        # Hugging Face rotates 2 * ceil(d / 2) features for d = head_size * factor (one pair per frequency)
+        "rotary_dim": 2 * ((int(head_size * factor) + 1) // 2), "rotary_emb_base": rope.get("rope_theta", 10000),
+        "gpt_neox_type_rotary": True, "parallel_attn_output": bool(config.use_parallel_residual),
+    }
+    return {**args, **settings}
+
+
 def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
-    """The ``DistributedTransformerLMHead`` replacing Hugging Face GPT-2 model ``hf`` (same weights)."""
+    """The ``DistributedTransformerLMHead`` replacing Hugging Face GPT-2 / GPT-NeoX model ``hf`` (same weights)."""
     from smp2ds.engine.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
+    from smp2ds.engine.nn.huggingface.gptneox import translate_hf_state_dict_to_smdistributed_gptneox
     from smp2ds.engine.nn.transformer import DistributedTransformerLMHead
 
     tp = current()
     settings = dict(registry.mark_of(hf).kwargs)
-    new = DistributedTransformerLMHead(**gpt2_arguments(hf.config, settings))
+    if type(hf).__name__ == "GPTNeoXForCausalLM":
+        new = DistributedTransformerLMHead(**gptneox_arguments(hf.config, settings))
+        translated = translate_hf_state_dict_to_smdistributed_gptneox(hf.state_dict(),
+                                                                      hf.config.num_attention_heads)
+    else:
+        new = DistributedTransformerLMHead(**gpt2_arguments(hf.config, settings))
+        translated = translate_hf_state_dict_to_smdistributed_gpt2(hf.state_dict())
     weight = next(hf.parameters())
     new.to(device=weight.device, dtype=weight.dtype)
-    load_full(new, translate_hf_state_dict_to_smdistributed_gpt2(hf.state_dict()), tp.rank)
+    load_full(new, translated, tp.rank)
     new.train(hf.training)
     object.__setattr__(new, "config", hf.config)
     object.__setattr__(new, "_smp2ds_forward_hook", hf_call_to_smp)
@@ -264,5 +302,6 @@ def smp_encoder_output_to_hf(out: Any) -> Any:
     return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=out[0])
 
 
-_BUILDERS = {"GPT2LMHeadModel": to_distributed_transformer, "BertEncoder": encoder_to_distributed_transformer,
+_BUILDERS = {"GPT2LMHeadModel": to_distributed_transformer, "GPTNeoXForCausalLM": to_distributed_transformer,
+             "BertEncoder": encoder_to_distributed_transformer,
              "RobertaEncoder": encoder_to_distributed_transformer}

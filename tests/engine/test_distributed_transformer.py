@@ -118,11 +118,11 @@ def test_replacement_refuses_families_not_implemented_and_cross_attention():
     import transformers as tf
 
     with registry.tensor_parallelism(fused_softmax=True):
-        neox = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
-                                                      num_attention_heads=4, vocab_size=VOCAB))
+        gptj = tf.GPTJForCausalLM(tf.GPTJConfig(n_layer=1, n_embd=16, n_head=4, rotary_dim=4, vocab_size=VOCAB,
+                                                n_positions=16))
         cross = hf_gpt2(add_cross_attention=True)
     with pytest.raises(SMPUnsupportedError, match="smp2ds replaces only GPT2LMHeadModel"):
-        replace_marked(neox)
+        replace_marked(gptj)
     with pytest.raises(SMPUnsupportedError, match="add_cross_attention=True cannot be replaced"):
         replace_marked(cross)
 
@@ -130,11 +130,12 @@ def test_replacement_refuses_families_not_implemented_and_cross_attention():
 @pytest.mark.parametrize(("kwargs", "error", "text"), [
     ({"distribute_embedding": True}, SMPUnsupportedError,
      r"distribute_embedding=True\): vocab-parallel embedding .* not implemented by smp2ds"),
-    ({"rotary_dim": 8}, SMPUnsupportedError, r"rotary_dim=8\): rotary position embeddings"),
+    ({"rotary_dim": 8}, SMPUnsupportedError,
+     r"rotary_dim=8, gpt_neox_type_rotary=False\): GPT-J style \(interleaved\) rotary embeddings are not"),
     ({"use_alibi": True}, SMPUnsupportedError, r"use_alibi=True\): ALiBi attention biases is not implemented"),
     ({"attention_layers_type": ["local"]}, SMPUnsupportedError, "local \\(windowed\\) attention layers"),
     ({"window_size": 4}, SMPUnsupportedError, r"window_size=4\): local \(windowed\)"),
-    ({"parallel_attn_output": True}, SMPUnsupportedError, "parallel attention \\+ MLP residual"),
+    ({"parallel_attn_output": True}, SMPUnsupportedError, r"parallel_attn_output=True\) needs pre_layernorm=True"),
     ({"flash_attention": True}, SMPUnsupportedError, "FlashAttention kernels is not implemented"),
     ({"add_cross_attention": True}, SMPUnsupportedError, "cross attention .* is not implemented"),
     ({"activation": "silu"}, SMPInvalidArgumentError, r"activation='silu'\): supported are 'gelu', 'relu'"),

@@ -1,19 +1,95 @@
-"""``smp.nn.huggingface.gptneox``: GPT-NeoX state-dict translators (see the package docstring:
-the engine keeps Hugging Face's names, so both directions keep keys and tensors)."""
+"""``smp.nn.huggingface.gptneox``: GPT-NeoX state dicts between Hugging Face's names and SMP's
+``DistributedTransformerLMHead`` (what ``GPTNeoXForCausalLM`` becomes under SMP's transformer API).
+
+``gpt_neox.embed_in`` <-> ``word_embedding``; ``gpt_neox.layers.<i>.input_layernorm`` /
+``post_attention_layernorm`` <-> ``transformer.seq_layers.<i>.attention.layernorm`` /
+``output.layernorm``; the fused ``attention.query_key_value`` (laid out per head: q, k, v of head 0,
+then of head 1, ...) <-> ``attention.query`` / ``key`` / ``value``; ``attention.dense`` <->
+``attention.dense``; ``mlp.dense_h_to_4h`` / ``dense_4h_to_h`` <-> ``output.dense1`` / ``dense2``;
+``gpt_neox.final_layer_norm`` <-> ``transformer.layernorm``; ``lm_head`` (``embed_out`` in older
+transformers) <-> ``lm_head``. Exact both ways; unknown keys are refused by name. A state dict of the
+in-place sharded model already has Hugging Face's names: give it to Hugging Face as is.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from smp2ds.engine.nn.huggingface import same_layout
 
+_TOP = {"gpt_neox.embed_in.weight": "word_embedding.weight", "gpt_neox.final_layer_norm.weight":
+        "transformer.layernorm.weight", "gpt_neox.final_layer_norm.bias": "transformer.layernorm.bias",
+        "lm_head.weight": "lm_head.weight"}
+_LAYER = {"input_layernorm": "attention.layernorm", "post_attention_layernorm": "output.layernorm",
+          "attention.dense": "attention.dense", "mlp.dense_h_to_4h": "output.dense1",
+          "mlp.dense_4h_to_h": "output.dense2"}
+_QKV = ("query", "key", "value")
 
-def translate_hf_state_dict_to_smdistributed_gptneox(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A Hugging Face GPT-NeoX state dict -> the engine's layout (the same names)."""
-    return same_layout(state_dict)
+
+def _unknown(fn: str, key: str) -> KeyError:
+    return KeyError(f"{fn}: {key!r} is not a GPT-NeoX parameter name this translator knows")
 
 
-def translate_state_dict_to_hf_gptneox(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A GPT-NeoX state dict in the engine's layout -> Hugging Face's (the same names)."""
-    return same_layout(state_dict)
+def _split_qkv(fused: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    per_head = fused.view(heads, 3, -1, *fused.shape[1:])
+    return [per_head[:, i].reshape(-1, *fused.shape[1:]).contiguous() for i in range(3)]
+
+
+def _join_qkv(parts: list[torch.Tensor], heads: int) -> torch.Tensor:
+    views = [p.view(heads, -1, *p.shape[1:]) for p in parts]
+    return torch.stack(views, dim=1).reshape(-1, *parts[0].shape[1:]).contiguous()
+
+
+def translate_hf_state_dict_to_smdistributed_gptneox(state_dict: Mapping[str, Any],
+                                                     num_attention_heads: int | None = None) -> dict[str, Any]:
+    """A Hugging Face ``GPTNeoXForCausalLM`` state dict -> SMP's names. The fused q/k/v projection is
+    laid out per head, so splitting it needs the head count (``num_attention_heads``, required when
+    the state dict has one)."""
+    fn = "translate_hf_state_dict_to_smdistributed_gptneox"
+    out: dict[str, Any] = {}
+    for key, value in same_layout(state_dict).items():
+        m = re.fullmatch(r"gpt_neox\.layers\.(\d+)\.(.+)\.(weight|bias)", key)
+        key = "lm_head.weight" if key == "embed_out.weight" else key
+        if key in _TOP:
+            out[_TOP[key]] = value
+        elif m and m.group(2) in _LAYER:
+            out[f"transformer.seq_layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"] = value
+        elif m and m.group(2) == "attention.query_key_value":
+            if num_attention_heads is None:
+                raise ValueError(f"{fn}: num_attention_heads is needed to split {key!r} (q, k, v per head)")
+            for name, part in zip(_QKV, _split_qkv(value, num_attention_heads), strict=True):
+                out[f"transformer.seq_layers.{m.group(1)}.attention.{name}.{m.group(3)}"] = part
+        elif not (m and m.group(2).startswith("attention.rotary_emb")):  # old transformers' buffers
+            raise _unknown(fn, key)
+    return out
+
+
+def translate_state_dict_to_hf_gptneox(state_dict: Mapping[str, Any],
+                                       num_attention_heads: int | None = None) -> dict[str, Any]:
+    """An SMP GPT-NeoX state dict -> ``GPTNeoXForCausalLM``'s names (exact inverse; same ``num_attention_heads``)."""
+    fn = "translate_state_dict_to_hf_gptneox"
+    sd = same_layout(state_dict)
+    inverse_top = {v: k for k, v in _TOP.items()}
+    inverse_layer = {v: k for k, v in _LAYER.items()}
+    out: dict[str, Any] = {}
+    fused: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for key, value in sd.items():
+        m = re.fullmatch(r"transformer\.seq_layers\.(\d+)\.(.+)\.(weight|bias)", key)
+        if key in inverse_top:
+            out[inverse_top[key]] = value
+        elif m and m.group(2) in inverse_layer:
+            out[f"gpt_neox.layers.{m.group(1)}.{inverse_layer[m.group(2)]}.{m.group(3)}"] = value
+        elif m and m.group(2) in {f"attention.{n}" for n in _QKV}:
+            fused.setdefault((m.group(1), m.group(3)), {})[m.group(2).split(".")[1]] = value
+        else:
+            raise _unknown(fn, key)
+    for (layer, leaf), parts in fused.items():
+        if num_attention_heads is None:
+            raise ValueError(f"{fn}: num_attention_heads is needed to fuse layer {layer}'s q, k, v per head")
+        out[f"gpt_neox.layers.{layer}.attention.query_key_value.{leaf}"] = _join_qkv(
+            [parts[n] for n in _QKV], num_attention_heads)
+    return out

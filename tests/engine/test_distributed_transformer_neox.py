@@ -1,0 +1,87 @@
+"""GPT-NeoX replaced by ``smp.nn.DistributedTransformerLMHead`` at tensor_parallel_degree 1 (no processes):
+rotary embeddings (partial, NeoX layout) and the parallel residual; logits / loss / gradients equal to
+Hugging Face's for the same weights, the translators' exact round trip (q/k/v fused per head), and an SMP
+state dict loading into the Hugging Face model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import smdistributed.modelparallel.torch as smp
+from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.nn.huggingface import gptneox as tr
+from smp2ds.engine.tensor_parallel import registry
+from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
+
+VOCAB = 40
+
+
+def hf_neox(seed: int, **overrides):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                           vocab_size=VOCAB, max_position_embeddings=16, **overrides)
+    cfg._attn_implementation = "eager"
+    return tf.GPTNeoXForCausalLM(cfg)
+
+
+def batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    return ids, mask
+
+
+def test_neox_translators_round_trip_exactly():
+    sd = hf_neox(0).state_dict()
+    smp_sd = tr.translate_hf_state_dict_to_smdistributed_gptneox(sd, 4)
+    assert "transformer.seq_layers.1.attention.value.bias" in smp_sd and "lm_head.weight" in smp_sd
+    back = tr.translate_state_dict_to_hf_gptneox(smp_sd, 4)
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    again = tr.translate_hf_state_dict_to_smdistributed_gptneox(back, 4)
+    assert set(again) == set(smp_sd) and all(torch.equal(again[k], smp_sd[k]) for k in smp_sd)
+    with pytest.raises(ValueError, match="num_attention_heads is needed to split"):
+        tr.translate_hf_state_dict_to_smdistributed_gptneox(sd)
+
+
+@pytest.mark.parametrize(("parallel", "factor"), [(True, 0.25), (False, 1.0)])
+def test_replaced_neox_gives_hf_logits_loss_and_gradients(parallel, factor):
+    rope = {"rope_theta": 10000.0, "partial_rotary_factor": factor, "rope_type": "default"}
+    with registry.tensor_parallelism(fused_softmax=True):
+        net = hf_neox(4, use_parallel_residual=parallel, rope_parameters=rope)
+    ref = hf_neox(4, use_parallel_residual=parallel, rope_parameters=rope)
+    new = replace_marked(net)
+    assert isinstance(new, smp.nn.DistributedTransformerLMHead) and new.config is net.config
+    assert new.transformer.seq_layers[0].parallel is parallel
+    ids, mask = batch()
+    got = new(input_ids=ids, attention_mask=mask, labels=ids)
+    want = ref(input_ids=ids, attention_mask=mask, labels=ids)
+    keep = mask.bool()
+    assert torch.allclose(got.logits[keep], want.logits[keep], atol=1e-5, rtol=0)
+    assert torch.allclose(got.loss, want.loss, atol=1e-6)
+    got.loss.backward()
+    want.loss.backward()
+    ref_grads = tr.translate_hf_state_dict_to_smdistributed_gptneox({n: p.grad for n, p in ref.named_parameters()}, 4)
+    for name, p in new.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[name], atol=1e-6, rtol=1e-5), name
+    with pytest.raises(SMPUnsupportedError, match="takes no position_ids"):
+        new(input_ids=ids, position_ids=torch.arange(9)[None])
+
+
+def test_smp_neox_state_dict_loads_into_hf_with_the_same_logits():
+    with registry.tensor_parallelism(fused_softmax=True):
+        new = replace_marked(hf_neox(5)).eval()
+    hf = hf_neox(6).eval()
+    hf.load_state_dict(tr.translate_state_dict_to_hf_gptneox(new.state_dict(), 4), strict=True)
+    ids, _ = batch(8)
+    assert torch.allclose(hf(input_ids=ids).logits, new(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_scaled_rotary_is_refused():
+    rope = {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "linear", "factor": 2.0}
+    with registry.tensor_parallelism(fused_softmax=True):
+        net = hf_neox(0, rope_parameters=rope)
+    with pytest.raises(SMPUnsupportedError, match="rope_type='linear' \\(scaled rotary\\) is not supported"):
+        replace_marked(net)
