@@ -21,6 +21,7 @@ PHASES = [
     {"optimizer": "adamw", "seed": 1, "steps": 3, "checkpoint": True},
     {"optimizer": "sgd", "seed": 2, "steps": 2, "activation_checkpointing": True},
     {"optimizer": "adamw", "seed": 4, "steps": 2, "family": "bert", "activation_checkpointing": True},
+    {"optimizer": "sgd", "seed": 8, "steps": 2, "family": "neox"},
 ]
 
 
@@ -63,7 +64,7 @@ def test_tp2_distributed_transformer_matches_hugging_face_gpt2_and_bert(run_id):
             local, full = got["shards"][f"{prefix}.seq_layers.0.attention.query.weight"]
             assert local * 2 == full == 16 * 16
             local, full = got["shards"][f"{prefix}.seq_layers.0.output.dense2.weight"]
-            assert local * 2 == full == 16 * (32 if bert else 64)
+            assert local * 2 == full == 16 * (64 if phase.get("family") is None else 32)
             embedding = "bert.embeddings.word_embeddings.weight" if bert else "word_embedding.weight"
             assert got["shards"][embedding][0] == VOCAB_ROWS * 16  # replicated
             np.testing.assert_allclose(got["losses"], [step[r] for step in ref["losses"]], rtol=1e-4, atol=1e-6)

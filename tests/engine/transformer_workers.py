@@ -42,7 +42,20 @@ def hf_bert(seed: int) -> torch.nn.Module:
     return tf.BertForMaskedLM(cfg)
 
 
+def hf_neox(seed: int) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.GPTNeoXConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                           vocab_size=VOCAB, max_position_embeddings=16,
+                           rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5, "rope_type": "default"})
+    cfg._attn_implementation = "eager"
+    return tf.GPTNeoXForCausalLM(cfg)
+
+
 def hf_of(phase: dict) -> torch.nn.Module:
+    if phase.get("family") == "neox":
+        return hf_neox(phase["seed"])
     if phase.get("family") == "bert":
         return hf_bert(phase["seed"])
     return hf_gpt2(phase["seed"], phase.get("dropout", 0.0))
@@ -51,7 +64,10 @@ def hf_of(phase: dict) -> torch.nn.Module:
 def to_hf_names(phase: dict, sd: dict) -> dict:
     from smp2ds.engine.nn.huggingface.bert import translate_state_dict_to_hf_bert
     from smp2ds.engine.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
+    from smp2ds.engine.nn.huggingface.gptneox import translate_state_dict_to_hf_gptneox
 
+    if phase.get("family") == "neox":
+        return translate_state_dict_to_hf_gptneox(sd, num_attention_heads=4)
     return translate_state_dict_to_hf_bert(sd) if phase.get("family") == "bert" else \
         translate_state_dict_to_hf_gpt2(sd)
 
