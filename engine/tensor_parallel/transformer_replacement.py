@@ -1,21 +1,24 @@
-"""SMP's replacement of Hugging Face GPT-2 by ``smp.nn.DistributedTransformerLMHead``.
+"""SMP's replacement of Hugging Face models by its distributed transformer: ``GPT2LMHeadModel`` and
+``GPTNeoXForCausalLM`` by ``smp.nn.DistributedTransformerLMHead``, ``BertEncoder`` / ``RobertaEncoder``
+by ``smp.nn.DistributedTransformer`` (GPT-J and GPT-Neo are refused).
 
-When it applies (the decision, documented): SMP replaced a ``GPT2LMHeadModel`` marked for tensor
-parallelism by its distributed transformer, at any ``tensor_parallel_degree`` including 1, and
-scripts written for that walk ``model.get_module().transformer.seq_layers``. smp2ds's default for
-a marked Hugging Face model is to shard it in place under its own names (:mod:`families`), which
-keeps Hugging Face scripts (Trainer, ``save_pretrained``, HF state dicts) working. A script asks
-for SMP's transformer API by passing any of SMP's distributed-transformer settings to the marking
-context, as SMP's GPT-2 example does (``smp.model_creation(tensor_parallelism=True,
-attention_in_fp32=..., fused_softmax=..., ...)``, or ``smp.tensor_parallelism(fused_softmax=True)``):
-then the model is replaced, at tp 1 as well. The settings go to the distributed transformer
-(unsupported ones are refused there, naming the setting).
+When it applies (the decision, documented): SMP replaced these classes when marked for tensor
+parallelism, at any ``tensor_parallel_degree`` including 1, and scripts written for that walk
+``model.get_module().transformer.seq_layers``. smp2ds's default for a marked Hugging Face model is to
+shard it in place under its own names (:mod:`families`), which keeps Hugging Face scripts (Trainer,
+``save_pretrained``, HF state dicts) working. A script asks for SMP's transformer API by passing any
+of SMP's distributed-transformer settings to the marking context, as SMP's GPT-2 example does
+(``smp.model_creation(tensor_parallelism=True, attention_in_fp32=..., fused_softmax=..., ...)``, or
+``smp.tensor_parallelism(fused_softmax=True)``): then the model is replaced, at tp 1 as well. The
+settings go to the distributed transformer (unsupported ones are refused there, naming the setting).
 
 What the replacement keeps: the weights (broadcast from tensor-parallel rank 0, translated by
-:mod:`smp2ds.engine.nn.huggingface.gpt2`, cut to this rank's shard), ``config``, train/eval mode,
-dtype and device, and Hugging Face's call contract: ``model(input_ids=..., attention_mask=...,
-labels=...)`` returns an output with ``loss`` and ``logits`` (SMP's forward/return hooks).
-Other families, and GPT-2 features the distributed transformer lacks (cross attention), are refused.
+:mod:`smp2ds.engine.nn.huggingface`, cut to this rank's shard), ``config``, train/eval mode, dtype
+and device, and Hugging Face's call contract (SMP's forward/return hooks): the causal LMs take
+``model(input_ids=..., attention_mask=..., labels=...)`` and return ``loss`` / ``logits``; a replaced
+encoder takes what ``BertModel`` passes and returns ``last_hidden_state``. The model around a replaced
+encoder stays whole. Features the distributed transformer lacks (cross attention, scaled rotary, ...)
+are refused by name.
 """
 
 from __future__ import annotations
