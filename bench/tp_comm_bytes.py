@@ -28,6 +28,8 @@ import tempfile
 
 import torch.multiprocessing as mp
 
+from smp2ds.translator.tp_traffic import tensor_parallel_traffic
+
 
 def _worker(rank: int, args: argparse.Namespace, prescaled: bool, rdv: str, out: str) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(args.tp), "LOCAL_RANK": str(rank),
@@ -97,8 +99,10 @@ def main() -> int:
                                start_method="spawn")
             with open(out) as handle:
                 got = json.load(handle)
-        micro = args.batch // args.microbatches * (1 if prescaled else args.tp)
-        formula = 4 * micro * args.seq * args.hidden * 4 * args.microbatches  # 4 all-reduces, fp32 bytes
+        formula = tensor_parallel_traffic(
+            tp=args.tp, layers=args.layers, hidden=args.hidden, seq_len=args.seq, batch_per_rank=args.batch,
+            microbatches=args.microbatches, bytes_per_element=4, prescaled_batch=prescaled,
+        )["all_reduce_buffer_bytes_per_layer_and_step"]  # the formula explain uses (fp32 here)
         measured = got["all_reduce"] / args.layers
         ratio = measured / formula
         worst = max(worst, abs(ratio - 1))

@@ -37,6 +37,7 @@ SNAPSHOT: dict[str, dict[str, object]] = {
             "--model",
             "--params",
             "--scale",
+            "--seq-len",
             "--world-size",
             "-h/--help",
         ],

@@ -76,3 +76,41 @@ def test_unsupported_architecture_is_a_usage_error_naming_the_supported_ones(tmp
     assert code == 2
     assert "'T5ForConditionalGeneration' has no pipeline layer list" in err
     assert "GPT2LMHeadModel" in err and "LlamaForCausalLM" in err and "Traceback" not in err
+
+
+def test_tensor_parallel_traffic_for_the_model_config(tmp_path, capsys):
+    # Megatron by hand: per-rank batch 8 in 2 micro-batches of 4; prescaled_batch false joins the
+    # two tensor-parallel ranks' micro-batches (layer batch 8); 4 all-reduces per layer and
+    # micro-batch of 8 x 32 (seq) x 64 (hidden) fp32 elements: 4 * 8*32*64*4 B * 2 = 524,288 B per
+    # layer and step; a ring over 2 ranks moves 2 * 1/2 of that per rank, x 3 layers.
+    model_json = _gpt2_config(tmp_path / "config.json", layers=3)
+    smp = tmp_path / "smp.json"
+    smp.write_text(json.dumps({"tensor_parallel_degree": 2, "ddp": True, "microbatches": 2}))
+    argv = ["explain", str(smp), "--world-size", "4", "--batch-size", "8", "--model", model_json, "--seq-len", "32"]
+    assert main([*argv, "--format", "json"]) == 0
+    traffic = json.loads(capsys.readouterr().out)["tensor_parallel_traffic"]
+    assert traffic["layer_batch"] == 8 and traffic["all_reduces_per_layer_and_step"] == 8
+    assert traffic["all_reduce_buffer_bytes_per_layer_and_step"] == 524_288
+    assert traffic["ring_bytes_per_rank_per_step"] == 3 * 524_288
+    smp.write_text(json.dumps({"tensor_parallel_degree": 2, "ddp": True, "microbatches": 2, "prescaled_batch": True}))
+    assert main([*argv, "--format", "json"]) == 0
+    shared = json.loads(capsys.readouterr().out)["tensor_parallel_traffic"]
+    assert shared["layer_batch"] == 4 and shared["all_reduce_buffer_bytes_per_layer_and_step"] == 262_144
+    assert main(argv) == 0
+    assert "tensor-parallel traffic (Megatron: 8 all-reduces per layer and step over 2 ranks" in capsys.readouterr().out
+    # without the batch there is nothing to compute: a usage error naming the flag
+    assert main(argv[:4] + argv[6:]) == 2
+    assert "needs --batch-size" in capsys.readouterr().err
+
+
+def test_tensor_parallel_traffic_refuses_sizes_that_do_not_fit():
+    import pytest
+
+    from smp2ds.translator.tp_traffic import tensor_parallel_traffic
+
+    args = dict(tp=2, layers=2, hidden=64, seq_len=32, batch_per_rank=6, microbatches=4, bytes_per_element=4,
+                prescaled_batch=True)
+    with pytest.raises(ValueError, match=r"batch_per_rank\(6\) is not divisible by microbatches\(4\)"):
+        tensor_parallel_traffic(**args)
+    with pytest.raises(ValueError, match=r"positive integers, got tp=0, hidden=-1"):
+        tensor_parallel_traffic(**{**args, "tp": 0, "hidden": -1, "batch_per_rank": 8})

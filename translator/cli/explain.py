@@ -18,6 +18,7 @@ from . import (
     add_layout_args,
     command_parser,
     layout_from_args,
+    positive_int,
     write_stdout,
 )
 
@@ -65,6 +66,13 @@ def explain_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         help="only compare this layout with ZeRO-3 and plain data parallelism: model-state memory per rank "
         "and bytes per rank and step over in-node and cross-node links",
     )
+    parser.add_argument(
+        "--seq-len",
+        type=positive_int,
+        metavar="S",
+        help="sequence length for the tensor-parallel traffic estimate (with --model and --batch-size; "
+        "default: the model's maximum positions)",
+    )
     add_layout_args(parser)
     add_format_arg(parser)
     parser.set_defaults(handler=explain_command)
@@ -85,6 +93,7 @@ def explain_command(args: argparse.Namespace) -> int:
     split = _model_split(args.model, config) if args.model else None
     params = args.params or (split.n_params if split else None)
     estimate = _estimate(result, params, "--model" if split and not args.params else None)
+    tp_traffic = _tp_traffic(args, result) if args.model else None
     if args.scale:
         from . import scale, source_name
 
@@ -104,6 +113,7 @@ def explain_command(args: argparse.Namespace) -> int:
                     "remarks": list(result.remarks),
                     "estimate": estimate,
                     **({"pipeline_split": split.plan.to_dict(), "model": split.architecture} if split else {}),
+                    **({"tensor_parallel_traffic": tp_traffic} if tp_traffic else {}),
                 }
             )
         )
@@ -113,6 +123,7 @@ def explain_command(args: argparse.Namespace) -> int:
         report.render_mapping("topology", result.topology),
         report.render_remarks(result.remarks),
         _split_text(split) if split else "",
+        _tp_text(tp_traffic) if tp_traffic else "",
         report.render_estimate_text(estimate)
         + ("" if params else "(no --params given: figures are for 1e9 parameters and scale linearly)\n"),
     ]
@@ -155,6 +166,55 @@ def _model_split(path: str, config: Any) -> Any:
             return split_for_model_config(model_config, config.params)
         except ValueError as err:
             raise UsageError(f"--model {path}: {err}") from None
+
+
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+_HIDDEN = ("hidden_size", "n_embd", "d_model")
+_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx")
+
+
+def _tp_traffic(args: argparse.Namespace, result: Any) -> dict[str, Any] | None:
+    """Tensor-parallel all-reduce traffic for the --model config, when tensor parallelism is on."""
+    from smp2ds.translator.load import load_document
+    from smp2ds.translator.tp_traffic import tensor_parallel_traffic
+
+    from . import UsageError
+
+    tp = int(result.topology["tensor_parallel_degree"])
+    if tp == 1:
+        return None
+    if not args.batch_size:
+        raise UsageError("--model with tensor_parallel_degree > 1 needs --batch-size (the per-rank batch) "
+                         "for the tensor-parallel traffic estimate")
+    config = load_document(args.model)
+
+    def first(names: tuple[str, ...], what: str) -> int:
+        for name in names:
+            if isinstance(config.get(name), int):
+                return int(config[name])
+        raise UsageError(f"--model {args.model}: no {what} ({' / '.join(names)}) in the config")
+
+    seq_len = args.seq_len or first(_POSITIONS, "maximum sequence length; or pass --seq-len")
+    half = any(result.deepspeed.get(k, {}).get("enabled") for k in ("fp16", "bf16"))
+    try:
+        return tensor_parallel_traffic(
+            tp=tp, layers=first(_LAYERS, "layer count"), hidden=first(_HIDDEN, "hidden size"), seq_len=seq_len,
+            batch_per_rank=args.batch_size, microbatches=int(result.engine["microbatches"]),
+            bytes_per_element=2 if half else 4,
+            prescaled_batch=bool(result.engine["tensor_parallel"]["prescaled_batch"]),
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _tp_text(t: dict[str, Any]) -> str:
+    mib = 2**20
+    return (f"tensor-parallel traffic (Megatron: {t['all_reduces_per_layer_and_step']} all-reduces per layer and "
+            f"step over {t['tensor_parallel_degree']} ranks, layer batch {t['layer_batch']}):\n"
+            f"  all-reduce buffers  {t['all_reduce_buffer_bytes_per_layer_and_step'] / mib:,.2f} MiB per layer "
+            "and step\n"
+            f"  ring bytes per rank {t['ring_bytes_per_rank_per_step'] / mib:,.2f} MiB per step "
+            f"({t['layers']} layers)\n")
 
 
 def _split_text(split: Any) -> str:
