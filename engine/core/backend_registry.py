@@ -1,8 +1,9 @@
 """Choose the backend for a ``DistributedModel`` from the Plan (never from the raw config).
 
 * ``plan.engine.pipeline.enabled``: :class:`smp2ds.engine.pipeline.backend.PipelineBackend`;
-* ``plan.engine.tensor_parallel.enabled``: :mod:`smp2ds.engine.tensor_parallel` (refused at
-  ``smp.init`` until tensor parallelism lands; this is the seam it will plug into);
+* ``plan.engine.tensor_parallel.enabled``: :mod:`smp2ds.engine.tensor_parallel.backend` (tensor
+  parallelism with DDP or ZeRO-1 over the reduced-data-parallel group; with pipelines or sharded
+  data parallelism ``smp.init`` refuses it, with the Plan's reason);
 * ``plan.engine.mics.enabled``: :class:`smp2ds.engine.mics.backend.MicsBackend`;
 * otherwise :class:`smp2ds.engine.data_parallel.backend.DataParallelBackend` (DDP, or ZeRO-1 for
   ``shard_optimizer_state``).
