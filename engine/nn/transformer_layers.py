@@ -99,17 +99,22 @@ class RegionModule(DistributedModule):
             mark_scaled_batch(self)
 
 
-def _rotary(x: torch.Tensor, dim: int, base: float) -> torch.Tensor:
-    """GPT-NeoX rotary embedding of the first ``dim`` features of ``x`` [N, heads, S, head size]
-    (positions 0..S-1; the two halves of those features rotate as pairs)."""
+def _rotary(x: torch.Tensor, dim: int, base: float, neox: bool) -> torch.Tensor:
+    """Rotary embedding of the first ``dim`` features of ``x`` [N, heads, S, head size] (positions
+    0..S-1). ``neox``: the two halves of those features rotate as pairs (GPT-NeoX); otherwise
+    neighbouring features do (GPT-J's interleaved layout)."""
     seq = x.shape[-2]
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim))
     angles = torch.outer(torch.arange(seq, dtype=torch.float32, device=x.device), inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     rot, rest = x[..., :dim], x[..., dim:]
-    first, second = rot[..., : dim // 2], rot[..., dim // 2:]
-    rotated = rot * cos + torch.cat((-second, first), dim=-1) * sin
+    if neox:
+        angles = torch.cat((angles, angles), dim=-1)
+        first, second = rot[..., : dim // 2], rot[..., dim // 2:]
+        turned = torch.cat((-second, first), dim=-1)
+    else:
+        angles = angles.repeat_interleave(2, dim=-1)
+        turned = torch.stack((-rot[..., 1::2], rot[..., ::2]), dim=-1).flatten(-2)
+    rotated = rot * angles.cos().to(x.dtype) + turned * angles.sin().to(x.dtype)
     return torch.cat((rotated, rest), dim=-1)
 
 
@@ -173,7 +178,7 @@ class DistributedAttentionLayer(RegionModule):
         x = self.layernorm(hidden) if self.pre_layernorm else hidden
         q, k, v = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
         if o.rotary_dim:
-            q, k = _rotary(q, o.rotary_dim, o.rotary_emb_base), _rotary(k, o.rotary_dim, o.rotary_emb_base)
+            q, k = (_rotary(t, o.rotary_dim, o.rotary_emb_base, o.gpt_neox_type_rotary) for t in (q, k))
         in_fp32 = o.attention_in_fp32 or o.query_key_layer_scaling
         if in_fp32:
             q, k = q.float(), k.float()
@@ -217,7 +222,9 @@ class DistributedTransformerOutputLayer(RegionModule):
         gen = init_generator(tp_group.current().size)
         self.dense1 = ParallelDense(hidden_size, intermediate_size, "column", True, initializer_range, gen)
         self.dense2 = ParallelDense(intermediate_size, hidden_size, "row", True, initializer_range, gen)
-        self.layernorm = DistributedLayerNorm(hidden_size, eps=layernorm_epsilon)
+        # single_pre_layernorm (GPT-J): the layer hands in the attention's normalised input
+        self.layernorm = None if self.options.single_pre_layernorm else \
+            DistributedLayerNorm(hidden_size, eps=layernorm_epsilon)
         self.dropout = torch.nn.Dropout(hidden_dropout_prob)
         self._adopt()
 
@@ -225,7 +232,7 @@ class DistributedTransformerOutputLayer(RegionModule):
         return self._region(self._forward, hidden)
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = self.layernorm(hidden) if self.pre_layernorm else hidden
+        x = self.layernorm(hidden) if self.pre_layernorm and self.layernorm is not None else hidden
         x = self.dropout(self.dense2(_ACTIVATIONS[self.activation](self.dense1(x))))
         if self.options.parallel_attn_output:
             return x
@@ -255,6 +262,9 @@ class DistributedTransformerLayer(RegionModule):
             hidden_size, intermediate_size, hidden_dropout_prob, activation,
             fp32_residual_addition=fp32_residual, **common, **extras)
         self.parallel = bool(extras.get("parallel_attn_output", False))
+        if bool(extras.get("single_pre_layernorm", False)) and not self.parallel:
+            raise SMPUnsupportedError("smp.nn.DistributedTransformerLayer(single_pre_layernorm=True) is implemented "
+                                      "with parallel_attn_output=True only (GPT-J)")
         if self.parallel and not pre_layernorm:
             raise SMPUnsupportedError("smp.nn.DistributedTransformerLayer(parallel_attn_output=True) needs "
                                       "pre_layernorm=True (each branch normalises its own input)")
@@ -265,7 +275,8 @@ class DistributedTransformerLayer(RegionModule):
         return self._region(self._forward, hidden, mask)
 
     def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.parallel:  # GPT-NeoX / GPT-J: x + attention(LN1(x)) + MLP(LN2(x))
-            return self.output(hidden) + self.attention((hidden, mask)) + hidden, mask
+        if self.parallel:  # GPT-NeoX: x + attention(LN1(x)) + MLP(LN2(x)); GPT-J: one LN for both
+            mlp_in = self.attention.layernorm(hidden) if self.output.layernorm is None else hidden
+            return self.output(mlp_in) + self.attention((hidden, mask)) + hidden, mask
         return self.output(self.attention((hidden, mask))), mask
 

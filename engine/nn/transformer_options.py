@@ -35,6 +35,7 @@ class Options:
     rotary_emb_base: float = 10000
     gpt_neox_type_rotary: bool = False
     parallel_attn_output: bool = False
+    single_pre_layernorm: bool = False
 
 
 KERNEL_CHOICES = ("fused_softmax", "fused_dropout", "fused_bias_gelu")
@@ -50,7 +51,6 @@ _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "alibi_bias_max": (8, None),
     "attention_layers_type": (None, "global"),
     "window_size": (None,),
-    "single_pre_layernorm": (False, None),
     "flash_attention": (False, None),
     "triton_flash_attention": (False, None),
     "_output_full_batch": (False, None),
@@ -94,10 +94,6 @@ def parse(where: str, extras: dict[str, Any]) -> Options:
             raise SMPInvalidArgumentError(
                 f"smp.nn.{where} got unknown keyword argument {key!r}={value!r}; accepted extras: "
                 f"{sorted(fields | set(KERNEL_CHOICES) | set(_IGNORED_POSITIONAL) | set(_REFUSED_UNLESS))}")
-    if used.get("rotary_dim") and not used.get("gpt_neox_type_rotary"):
-        raise SMPUnsupportedError(
-            f"smp.nn.{where}(rotary_dim={used['rotary_dim']}, gpt_neox_type_rotary=False): GPT-J style (interleaved) "
-            "rotary embeddings are not implemented by smp2ds; supported: gpt_neox_type_rotary=True")
     if not used.get("rotary_dim"):
         used["rotary_dim"] = None
     return Options(**used)

@@ -1,6 +1,6 @@
 """SMP's replacement of Hugging Face models by its distributed transformer: ``GPT2LMHeadModel`` and
-``GPTNeoXForCausalLM`` by ``smp.nn.DistributedTransformerLMHead``, ``BertEncoder`` / ``RobertaEncoder``
-by ``smp.nn.DistributedTransformer`` (GPT-J and GPT-Neo are refused).
+``GPTNeoXForCausalLM`` and ``GPTJForCausalLM`` by ``smp.nn.DistributedTransformerLMHead``,
+``BertEncoder`` / ``RobertaEncoder`` by ``smp.nn.DistributedTransformer`` (GPT-Neo is refused).
 
 When it applies (the decision, documented): SMP replaced these classes when marked for tensor
 parallelism, at any ``tensor_parallel_degree`` including 1, and scripts written for that walk
@@ -32,11 +32,11 @@ from smp2ds.engine.tensor_parallel import registry
 from smp2ds.engine.tensor_parallel.group import current
 from smp2ds.engine.tensor_parallel.shards import spec_of
 
-REPLACED_CLASSES = ("GPT2LMHeadModel", "GPTNeoXForCausalLM", "BertEncoder", "RobertaEncoder")
-"""Hugging Face classes replaced: GPT-2 and GPT-NeoX by ``DistributedTransformerLMHead``, BERT/RoBERTa
-encoders by ``DistributedTransformer`` (GPT-J/Neo: not yet, refused)."""
+REPLACED_CLASSES = ("GPT2LMHeadModel", "GPTNeoXForCausalLM", "GPTJForCausalLM", "BertEncoder", "RobertaEncoder")
+"""Hugging Face classes replaced: GPT-2, GPT-NeoX and GPT-J by ``DistributedTransformerLMHead``, BERT/RoBERTa
+encoders by ``DistributedTransformer`` (GPT-Neo: not yet, refused)."""
 
-_NOT_YET = ("GPTJForCausalLM", "GPTNeoForCausalLM")
+_NOT_YET = ("GPTNeoForCausalLM",)
 
 _ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 
@@ -163,6 +163,32 @@ def gptneox_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {**args, **settings}
 
 
+def gptj_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """``DistributedTransformerLMHead`` arguments for a GPT-J config (interleaved rotary, one layer norm
+    for the parallel attention and MLP, no q/k/v or attention-output bias, untied head with a bias)."""
+    act = config.activation_function
+    if act not in _ACTIVATIONS:
+        raise SMPUnsupportedError(f"GPT-J activation_function={act!r} is not supported by the distributed "
+                                  f"transformer; supported: {sorted(_ACTIVATIONS)}")
+    if not config.rotary_dim:
+        raise SMPUnsupportedError(f"GPT-J with rotary_dim={config.rotary_dim!r} is not supported by the distributed "
+                                  "transformer; give a positive rotary_dim (64 for GPT-J-6B)")
+    hidden, heads = config.n_embd, config.n_head
+    args = {
+        "num_layers": config.n_layer, "num_attention_heads": heads, "attention_head_size": hidden // heads,
+        "hidden_size": hidden, "intermediate_size": config.n_inner or 4 * hidden, "vocab_size": config.vocab_size,
+        "num_positions": config.n_positions, "attention_dropout_prob": config.attn_pdrop,
+        "hidden_dropout_prob": config.resid_pdrop, "embedding_dropout_prob": config.embd_pdrop,
+        "activation": _ACTIVATIONS[act], "layernorm_epsilon": config.layer_norm_epsilon,
+        "causal_mask_size": config.n_positions, "initializer_range": config.initializer_range,
+        "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True, "use_positional_embedding": False,
+        "tie_input_output_embedding": False, "use_lm_head_bias": True, "rotary_dim": config.rotary_dim,
+        "gpt_neox_type_rotary": False, "parallel_attn_output": True, "single_pre_layernorm": True,
+        "use_qkv_bias": False, "use_attn_dense_bias": False,
+    }
+    return {**args, **settings}
+
+
 def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
     """The ``DistributedTransformerLMHead`` replacing Hugging Face GPT-2 / GPT-NeoX model ``hf`` (same weights)."""
     from smp2ds.engine.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
@@ -171,7 +197,12 @@ def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
 
     tp = current()
     settings = dict(registry.mark_of(hf).kwargs)
-    if type(hf).__name__ == "GPTNeoXForCausalLM":
+    if type(hf).__name__ == "GPTJForCausalLM":
+        from smp2ds.engine.nn.huggingface.gptj import translate_hf_state_dict_to_smdistributed_gptj
+
+        new = DistributedTransformerLMHead(**gptj_arguments(hf.config, settings))
+        translated = translate_hf_state_dict_to_smdistributed_gptj(hf.state_dict())
+    elif type(hf).__name__ == "GPTNeoXForCausalLM":
         new = DistributedTransformerLMHead(**gptneox_arguments(hf.config, settings))
         translated = translate_hf_state_dict_to_smdistributed_gptneox(hf.state_dict(),
                                                                       hf.config.num_attention_heads)
@@ -306,5 +337,6 @@ def smp_encoder_output_to_hf(out: Any) -> Any:
 
 
 _BUILDERS = {"GPT2LMHeadModel": to_distributed_transformer, "GPTNeoXForCausalLM": to_distributed_transformer,
+             "GPTJForCausalLM": to_distributed_transformer,
              "BertEncoder": encoder_to_distributed_transformer,
              "RobertaEncoder": encoder_to_distributed_transformer}

@@ -118,11 +118,11 @@ def test_replacement_refuses_families_not_implemented_and_cross_attention():
     import transformers as tf
 
     with registry.tensor_parallelism(fused_softmax=True):
-        gptj = tf.GPTJForCausalLM(tf.GPTJConfig(n_layer=1, n_embd=16, n_head=4, rotary_dim=4, vocab_size=VOCAB,
-                                                n_positions=16))
+        neo = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(num_layers=1, hidden_size=16, num_heads=4, vocab_size=VOCAB,
+                                                   attention_types=[[["global"], 1]], max_position_embeddings=16))
         cross = hf_gpt2(add_cross_attention=True)
     with pytest.raises(SMPUnsupportedError, match="smp2ds replaces only GPT2LMHeadModel"):
-        replace_marked(gptj)
+        replace_marked(neo)
     with pytest.raises(SMPUnsupportedError, match="add_cross_attention=True cannot be replaced"):
         replace_marked(cross)
 
@@ -130,8 +130,9 @@ def test_replacement_refuses_families_not_implemented_and_cross_attention():
 @pytest.mark.parametrize(("kwargs", "error", "text"), [
     ({"distribute_embedding": True}, SMPUnsupportedError,
      r"distribute_embedding=True\): vocab-parallel embedding .* not implemented by smp2ds"),
-    ({"rotary_dim": 8}, SMPUnsupportedError,
-     r"rotary_dim=8, gpt_neox_type_rotary=False\): GPT-J style \(interleaved\) rotary embeddings are not"),
+    ({"single_pre_layernorm": True}, SMPUnsupportedError,
+     r"single_pre_layernorm=True\) is implemented with parallel_attn_output=True only"),
+    ({"rotary_pct": 0.5}, SMPUnsupportedError, r"rotary_pct=0.5\): rotary position embeddings .* not implemented"),
     ({"use_alibi": True}, SMPUnsupportedError, r"use_alibi=True\): ALiBi attention biases is not implemented"),
     ({"attention_layers_type": ["local"]}, SMPUnsupportedError, "local \\(windowed\\) attention layers"),
     ({"window_size": 4}, SMPUnsupportedError, r"window_size=4\): local \(windowed\)"),

@@ -1,19 +1,54 @@
-"""``smp.nn.huggingface.gptj``: GPT-J state-dict translators (see the package docstring:
-the engine keeps Hugging Face's names, so both directions keep keys and tensors)."""
+"""``smp.nn.huggingface.gptj``: GPT-J state dicts between Hugging Face's names and SMP's
+``DistributedTransformerLMHead`` (what ``GPTJForCausalLM`` becomes under SMP's transformer API).
+
+``transformer.wte`` <-> ``word_embedding``; ``transformer.h.<i>.ln_1`` (shared by attention and MLP)
+<-> ``transformer.seq_layers.<i>.attention.layernorm``; ``attn.q_proj`` / ``k_proj`` / ``v_proj`` /
+``out_proj`` <-> ``attention.query`` / ``key`` / ``value`` / ``dense``; ``mlp.fc_in`` / ``fc_out`` <->
+``output.dense1`` / ``dense2``; ``transformer.ln_f`` <-> ``transformer.layernorm``; ``lm_head.weight``
+/ ``lm_head.bias`` <-> ``lm_head.weight`` / ``lm_head_bias``. Same tensors (``nn.Linear`` on both
+sides), exact both ways; unknown keys are refused by name. A state dict of the in-place sharded
+model already has Hugging Face's names: give it to Hugging Face as is.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from smp2ds.engine.nn.huggingface import same_layout
 
+_TOP = {"transformer.wte.weight": "word_embedding.weight", "transformer.ln_f.weight": "transformer.layernorm.weight",
+        "transformer.ln_f.bias": "transformer.layernorm.bias", "lm_head.weight": "lm_head.weight",
+        "lm_head.bias": "lm_head_bias"}
+_LAYER = {"ln_1": "attention.layernorm", "attn.q_proj": "attention.query", "attn.k_proj": "attention.key",
+          "attn.v_proj": "attention.value", "attn.out_proj": "attention.dense", "mlp.fc_in": "output.dense1",
+          "mlp.fc_out": "output.dense2"}
+_OLD_BUFFERS = ("attn.bias", "attn.masked_bias", "attn.embed_positions")
+
+
+def _translate(state_dict: Mapping[str, Any], top: dict[str, str], layer: dict[str, str], pattern: str,
+               out_layers: str, fn: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in same_layout(state_dict).items():
+        m = re.fullmatch(pattern, key)
+        if key in top:
+            out[top[key]] = value
+        elif m and m.group(2) in layer and m.group(3) in ("weight", "bias"):
+            out[f"{out_layers}.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"] = value
+        elif not (m and f"{m.group(2)}.{m.group(3)}" in _OLD_BUFFERS):
+            raise KeyError(f"{fn}: {key!r} is not a GPT-J parameter name this translator knows")
+    return out
+
 
 def translate_hf_state_dict_to_smdistributed_gptj(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A Hugging Face GPT-J state dict -> the engine's layout (the same names)."""
-    return same_layout(state_dict)
+    """A Hugging Face ``GPTJForCausalLM`` state dict -> SMP's names."""
+    return _translate(state_dict, _TOP, _LAYER, r"transformer\.h\.(\d+)\.(.+)\.(\w+)", "transformer.seq_layers",
+                      "translate_hf_state_dict_to_smdistributed_gptj")
 
 
 def translate_state_dict_to_hf_gptj(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A GPT-J state dict in the engine's layout -> Hugging Face's (the same names)."""
-    return same_layout(state_dict)
+    """An SMP GPT-J state dict -> ``GPTJForCausalLM``'s names (exact inverse)."""
+    return _translate(state_dict, {v: k for k, v in _TOP.items()}, {v: k for k, v in _LAYER.items()},
+                      r"transformer\.seq_layers\.(\d+)\.(.+)\.(\w+)", "transformer.h",
+                      "translate_state_dict_to_hf_gptj")

@@ -1,0 +1,72 @@
+"""GPT-J replaced by ``smp.nn.DistributedTransformerLMHead`` at tensor_parallel_degree 1 (no processes):
+interleaved rotary embeddings, one layer norm shared by the parallel attention and MLP, no q/k/v bias,
+an untied head with a bias; logits / loss / gradients equal to Hugging Face's for the same weights,
+the translators' exact round trip, and an SMP state dict loading into the Hugging Face model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import smdistributed.modelparallel.torch as smp
+from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.nn.huggingface import gptj as tr
+from smp2ds.engine.tensor_parallel import registry
+from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
+
+VOCAB = 40
+
+
+def hf_gptj(seed: int, **overrides):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    settings = {"rotary_dim": 4, **overrides}
+    cfg = tf.GPTJConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, **settings)
+    cfg._attn_implementation = "eager"
+    return tf.GPTJForCausalLM(cfg)
+
+
+def test_gptj_translators_round_trip_exactly():
+    sd = hf_gptj(0).state_dict()
+    smp_sd = tr.translate_hf_state_dict_to_smdistributed_gptj(sd)
+    assert {"lm_head_bias", "transformer.seq_layers.1.attention.query.weight"} <= set(smp_sd)
+    back = tr.translate_state_dict_to_hf_gptj(smp_sd)
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    with pytest.raises(KeyError, match="'transformer.h.0.attn.odd.weight' is not a GPT-J parameter name"):
+        tr.translate_hf_state_dict_to_smdistributed_gptj({"transformer.h.0.attn.odd.weight": torch.zeros(1)})
+
+
+def test_replaced_gptj_gives_hf_logits_loss_and_gradients():
+    with registry.tensor_parallelism(fused_softmax=True):
+        net = hf_gptj(4)
+    ref = hf_gptj(4)
+    new = replace_marked(net)
+    assert isinstance(new, smp.nn.DistributedTransformerLMHead) and new.config is net.config
+    layer = new.transformer.seq_layers[0]
+    assert layer.parallel and layer.output.layernorm is None and layer.attention.query.bias is None
+    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    got = new(input_ids=ids, attention_mask=mask, labels=ids)
+    want = ref(input_ids=ids, attention_mask=mask, labels=ids)
+    keep = mask.bool()
+    assert torch.allclose(got.logits[keep], want.logits[keep], atol=1e-5, rtol=0)
+    assert torch.allclose(got.loss, want.loss, atol=1e-6)
+    got.loss.backward()
+    want.loss.backward()
+    ref_grads = tr.translate_hf_state_dict_to_smdistributed_gptj({n: p.grad for n, p in ref.named_parameters()})
+    for name, p in new.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[name], atol=1e-6, rtol=1e-5), name
+    new.eval()
+    hf = hf_gptj(9).eval()
+    hf.load_state_dict(tr.translate_state_dict_to_hf_gptj(new.state_dict()), strict=True)
+    assert torch.allclose(hf(input_ids=ids).logits, new(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_gptj_without_rotary_dim_is_refused():
+    with registry.tensor_parallelism(fused_softmax=True):
+        net = hf_gptj(0, rotary_dim=0)
+    with pytest.raises(SMPUnsupportedError, match="GPT-J with rotary_dim=0 is not supported"):
+        replace_marked(net)
