@@ -53,7 +53,19 @@ def hf_neox(seed: int) -> torch.nn.Module:
     return tf.GPTNeoXForCausalLM(cfg)
 
 
+def hf_gptj(seed: int) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.GPTJConfig(n_layer=2, n_embd=16, n_head=4, rotary_dim=2, vocab_size=VOCAB, n_positions=16,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "eager"
+    return tf.GPTJForCausalLM(cfg)
+
+
 def hf_of(phase: dict) -> torch.nn.Module:
+    if phase.get("family") == "gptj":
+        return hf_gptj(phase["seed"])
     if phase.get("family") == "neox":
         return hf_neox(phase["seed"])
     if phase.get("family") == "bert":
@@ -68,6 +80,10 @@ def to_hf_names(phase: dict, sd: dict) -> dict:
 
     if phase.get("family") == "neox":
         return translate_state_dict_to_hf_gptneox(sd, num_attention_heads=4)
+    if phase.get("family") == "gptj":
+        from smp2ds.engine.nn.huggingface.gptj import translate_state_dict_to_hf_gptj
+
+        return translate_state_dict_to_hf_gptj(sd)
     return translate_state_dict_to_hf_bert(sd) if phase.get("family") == "bert" else \
         translate_state_dict_to_hf_gpt2(sd)
 
