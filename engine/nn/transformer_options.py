@@ -59,16 +59,11 @@ _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
 
 _WHY = {
     "distribute_embedding": "vocab-parallel embedding / cross-entropy inside the distributed transformer",
-    "rotary_dim": "rotary position embeddings (GPT-J / GPT-NeoX replacement)",
-    "rotary_pct": "rotary position embeddings (GPT-J / GPT-NeoX replacement)",
-    "rotary_emb_base": "rotary position embeddings (GPT-J / GPT-NeoX replacement)",
-    "gpt_neox_type_rotary": "rotary position embeddings (GPT-J / GPT-NeoX replacement)",
-    "parallel_attn_output": "parallel attention + MLP residual (GPT-J / GPT-NeoX)",
+    "rotary_pct": "rotary_pct (give rotary_dim, the number of rotated features per head)",
     "use_alibi": "ALiBi attention biases",
     "alibi_bias_max": "ALiBi attention biases",
     "attention_layers_type": "local (windowed) attention layers (GPT-Neo)",
     "window_size": "local (windowed) attention layers (GPT-Neo)",
-    "single_pre_layernorm": "one layernorm shared by attention and MLP",
     "flash_attention": "FlashAttention kernels",
     "triton_flash_attention": "FlashAttention kernels",
     "_output_full_batch": "full-batch outputs of a prescaled region",

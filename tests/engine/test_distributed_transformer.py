@@ -132,7 +132,7 @@ def test_replacement_refuses_families_not_implemented_and_cross_attention():
      r"distribute_embedding=True\): vocab-parallel embedding .* not implemented by smp2ds"),
     ({"single_pre_layernorm": True}, SMPUnsupportedError,
      r"single_pre_layernorm=True\) is implemented with parallel_attn_output=True only"),
-    ({"rotary_pct": 0.5}, SMPUnsupportedError, r"rotary_pct=0.5\): rotary position embeddings .* not implemented"),
+    ({"rotary_pct": 0.5}, SMPUnsupportedError, r"rotary_pct=0.5\): rotary_pct \(give rotary_dim, .*\) is not implemented"),
     ({"use_alibi": True}, SMPUnsupportedError, r"use_alibi=True\): ALiBi attention biases is not implemented"),
     ({"attention_layers_type": ["local"]}, SMPUnsupportedError, "local \\(windowed\\) attention layers"),
     ({"window_size": 4}, SMPUnsupportedError, r"window_size=4\): local \(windowed\)"),
