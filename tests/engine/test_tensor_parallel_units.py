@@ -97,16 +97,18 @@ def test_tp_register_records_constructor_arguments_for_init_hook():
         registry.register(3, DistBlock)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("module", "family"), [("gpt2", "gpt2"), ("bert", "bert"), ("roberta", "bert"),
-                                                ("gptneox", "gpt_neox"), ("gptj", "gpt2"), ("gptneo", "gpt2")])
-def test_huggingface_translators_round_trip_exactly(module, family):
+@pytest.mark.parametrize(("module", "family", "extra"), [
+    ("gpt2", "gpt2", {}), ("bert", "bert", {}), ("roberta", "roberta", {}),
+    ("gptneox", "gpt_neox", {"num_attention_heads": 4}), ("gptj", "gptj", {}), ("gptneo", "gpt_neo", {}),
+])
+def test_huggingface_translators_round_trip_exactly(module, family, extra):
     mod = importlib.import_module(f"smdistributed.modelparallel.torch.nn.huggingface.{module}")
     to_smp = getattr(mod, f"translate_hf_state_dict_to_smdistributed_{module}")
     to_hf = getattr(mod, f"translate_state_dict_to_hf_{module}")
     model = tw.hf_model(family, 0)
     hf = model.state_dict()
-    marked = {**to_smp(hf), "_smp_is_partial": False, "_smp_load_info": {}}
-    back = to_hf(marked)
+    marked = {**to_smp(hf, **extra), "_smp_is_partial": False, "_smp_load_info": {}}
+    back = to_hf(marked, **extra)
     assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
     model.load_state_dict(back, strict=True)
     with pytest.raises(TypeError, match="a state dict"):
