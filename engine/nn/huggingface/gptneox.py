@@ -13,6 +13,7 @@ in-place sharded model already has Hugging Face's names: give it to Hugging Face
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -92,4 +93,20 @@ def translate_state_dict_to_hf_gptneox(state_dict: Mapping[str, Any],
             raise ValueError(f"{fn}: num_attention_heads is needed to fuse layer {layer}'s q, k, v per head")
         out[f"gpt_neox.layers.{layer}.attention.query_key_value.{leaf}"] = _join_qkv(
             [parts[n] for n in _QKV], num_attention_heads)
+    head = _installed_head_name()
+    if "lm_head.weight" in out and head != "lm_head.weight":
+        out[head] = out.pop("lm_head.weight")
     return out
+
+
+@functools.cache
+def _installed_head_name() -> str:
+    """The output head's key in the installed transformers' ``GPTNeoXForCausalLM``: ``lm_head.weight``,
+    or ``embed_out.weight`` in older releases (5.0). Read from a one-layer model on the meta device."""
+    import transformers
+
+    config = transformers.GPTNeoXConfig(num_hidden_layers=1, hidden_size=8, intermediate_size=8,
+                                        num_attention_heads=2, vocab_size=8)
+    with torch.device("meta"):
+        model = transformers.GPTNeoXForCausalLM(config)
+    return "embed_out.weight" if hasattr(model, "embed_out") else "lm_head.weight"
