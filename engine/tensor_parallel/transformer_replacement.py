@@ -41,6 +41,14 @@ _NOT_YET = ("GPTNeoForCausalLM",)
 _ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 
 
+def _activation(family: str, field: str, value: str) -> str:
+    """The distributed transformer's activation for a Hugging Face config's ``field``, or a refusal."""
+    if value not in _ACTIVATIONS:
+        raise SMPUnsupportedError(f"{family} {field}={value!r} is not supported by the distributed transformer; "
+                                  f"supported: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[value]
+
+
 def wants_replacement(module: torch.nn.Module) -> bool:
     """A marked model whose marking context carries SMP distributed-transformer settings."""
     mark = registry.mark_of(module)
@@ -111,17 +119,14 @@ def gpt2_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     if getattr(config, "add_cross_attention", False):
         raise SMPUnsupportedError("GPT-2 with add_cross_attention=True cannot be replaced by "
                                   "smp.nn.DistributedTransformerLMHead: cross attention is not implemented")
-    act = config.activation_function
-    if act not in _ACTIVATIONS:
-        raise SMPUnsupportedError(f"GPT-2 activation_function={act!r} is not supported by the distributed "
-                                  f"transformer; supported: {sorted(_ACTIVATIONS)}")
+    act = _activation("GPT-2", "activation_function", config.activation_function)
     hidden, heads = config.n_embd, config.n_head
     args = {
         "num_layers": config.n_layer, "num_attention_heads": heads, "attention_head_size": hidden // heads,
         "hidden_size": hidden, "intermediate_size": config.n_inner or 4 * hidden, "vocab_size": config.vocab_size,
         "num_positions": config.n_positions, "attention_dropout_prob": config.attn_pdrop,
         "hidden_dropout_prob": config.resid_pdrop, "embedding_dropout_prob": config.embd_pdrop,
-        "activation": _ACTIVATIONS[act], "layernorm_epsilon": config.layer_norm_epsilon,
+        "activation": act, "layernorm_epsilon": config.layer_norm_epsilon,
         "causal_mask_size": config.n_positions, "initializer_range": config.initializer_range,
         "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True,
         "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", True)),
@@ -134,10 +139,7 @@ def gpt2_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 def gptneox_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     """``DistributedTransformerLMHead`` arguments for a GPT-NeoX config (rotary, parallel residual)."""
-    act = config.hidden_act
-    if act not in _ACTIVATIONS:
-        raise SMPUnsupportedError(f"GPT-NeoX hidden_act={act!r} is not supported by the distributed transformer; "
-                                  f"supported: {sorted(_ACTIVATIONS)}")
+    act = _activation("GPT-NeoX", "hidden_act", config.hidden_act)
     rope = dict(getattr(config, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default":
         raise SMPUnsupportedError(f"GPT-NeoX rope_type={rope['rope_type']!r} (scaled rotary) is not supported by "
@@ -152,7 +154,7 @@ def gptneox_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
         "hidden_size": hidden, "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size,
         "num_positions": config.max_position_embeddings, "attention_dropout_prob": config.attention_dropout,
         "hidden_dropout_prob": config.hidden_dropout, "embedding_dropout_prob": config.hidden_dropout,
-        "activation": _ACTIVATIONS[act], "layernorm_epsilon": config.layer_norm_eps,
+        "activation": act, "layernorm_epsilon": config.layer_norm_eps,
         "causal_mask_size": config.max_position_embeddings, "initializer_range": config.initializer_range,
         "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True, "use_positional_embedding": False,
         "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", False)),
@@ -166,10 +168,7 @@ def gptneox_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
 def gptj_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     """``DistributedTransformerLMHead`` arguments for a GPT-J config (interleaved rotary, one layer norm
     for the parallel attention and MLP, no q/k/v or attention-output bias, untied head with a bias)."""
-    act = config.activation_function
-    if act not in _ACTIVATIONS:
-        raise SMPUnsupportedError(f"GPT-J activation_function={act!r} is not supported by the distributed "
-                                  f"transformer; supported: {sorted(_ACTIVATIONS)}")
+    act = _activation("GPT-J", "activation_function", config.activation_function)
     if not config.rotary_dim:
         raise SMPUnsupportedError(f"GPT-J with rotary_dim={config.rotary_dim!r} is not supported by the distributed "
                                   "transformer; give a positive rotary_dim (64 for GPT-J-6B)")
@@ -179,7 +178,7 @@ def gptj_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
         "hidden_size": hidden, "intermediate_size": config.n_inner or 4 * hidden, "vocab_size": config.vocab_size,
         "num_positions": config.n_positions, "attention_dropout_prob": config.attn_pdrop,
         "hidden_dropout_prob": config.resid_pdrop, "embedding_dropout_prob": config.embd_pdrop,
-        "activation": _ACTIVATIONS[act], "layernorm_epsilon": config.layer_norm_epsilon,
+        "activation": act, "layernorm_epsilon": config.layer_norm_epsilon,
         "causal_mask_size": config.n_positions, "initializer_range": config.initializer_range,
         "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True, "use_positional_embedding": False,
         "tie_input_output_embedding": False, "use_lm_head_bias": True, "rotary_dim": config.rotary_dim,
@@ -274,17 +273,14 @@ def encoder_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     if kind != "absolute":
         raise SMPUnsupportedError(f"BERT/RoBERTa position_embedding_type={kind!r} is not supported by "
                                   "smp.nn.DistributedTransformer; supported: 'absolute'")
-    act = config.hidden_act
-    if act not in _ACTIVATIONS:
-        raise SMPUnsupportedError(f"BERT/RoBERTa hidden_act={act!r} is not supported by the distributed "
-                                  f"transformer; supported: {sorted(_ACTIVATIONS)}")
+    act = _activation("BERT/RoBERTa", "hidden_act", config.hidden_act)
     hidden, heads = config.hidden_size, config.num_attention_heads
     args = {
         "num_layers": config.num_hidden_layers, "num_attention_heads": heads, "attention_head_size": hidden // heads,
         "hidden_size": hidden, "intermediate_size": config.intermediate_size,
         "attention_dropout_prob": config.attention_probs_dropout_prob,
         "hidden_dropout_prob": config.hidden_dropout_prob,
-        "activation": _ACTIVATIONS[act], "layernorm_epsilon": config.layer_norm_eps,
+        "activation": act, "layernorm_epsilon": config.layer_norm_eps,
         "initializer_range": config.initializer_range, "causal_mask_size": None, "pre_layernorm": False,
         "post_layernorm": True,
     }
