@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.engine.api_workers import _raises
 from tests.engine.proc_launch import run_script
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_fault.py")
@@ -71,16 +72,6 @@ def test_sigkill_at_every_point_of_a_save_leaves_a_whole_checkpoint(tmp_path):
         left = result["after_next_save"]
         assert not [n for n in left if n.startswith(".smp2ds")], (case, left)
         assert "c_partial" in left and "newest" in left, (case, left)
-
-
-def _raises(fn, exc) -> str:
-    try:
-        fn()
-    except exc as err:
-        return str(err)
-    except Exception as err:  # noqa: BLE001
-        return f"WRONG {type(err).__name__}: {err}"
-    return "NO ERROR"
 
 
 def checkpoint_checks(tmp: str) -> dict:
