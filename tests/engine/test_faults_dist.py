@@ -19,7 +19,7 @@ STUCK_TIMEOUT = 8.0  # a peer may legitimately wait this long at a collective on
 @pytest.mark.parametrize("world,victim,how", [(4, 2, "kill"), (2, 1, "raise")])
 def test_when_one_rank_dies_the_others_exit_in_bounded_time_naming_it(tmp_path, world, victim, how):
     mark = str(tmp_path / "died_at")
-    runs = run_script(os.path.join(HERE, "scripts", "fault_train.py"), world, [str(victim), how],
+    runs = run_script(os.path.join(HERE, "scripts", "stuck_rank.py"), world, [str(victim), how],
                       env={"SMP2DS_COMM_TIMEOUT": str(TIMEOUT), "FAULT_MARK": mark}, timeout_s=180)
     with open(mark) as handle:
         died_at = float(handle.read())

@@ -4,7 +4,8 @@
 step's gradient all-reduce. ``stuck_rank.py VICTIM alone``: the victim calls a collective that no
 other rank calls (as ``model.state_dict()`` on one rank under sharded data parallelism would),
 while the others go on to the next step. Every rank must stop, naming where the victim is.
-``stuck_rank.py VICTIM kill``: the victim dies (SIGKILL), for the launcher tests.
+``stuck_rank.py VICTIM kill``: the victim dies (SIGKILL); ``raise``: it fails with an exception
+(the dead-rank tests).
 """
 
 import os
@@ -36,6 +37,8 @@ for step in range(100000):
             handle.write(str(time.time()))
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if how == "raise":
+            raise ValueError("deliberate failure on this rank")
         if how == "sleep":
             time.sleep(3600)
         else:
