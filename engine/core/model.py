@@ -27,6 +27,7 @@ from smp2ds.engine.exceptions import (
     SMPInvalidArgumentError,
     SMPUnsupportedError,
 )
+from smp2ds.engine.tensor_parallel import introspect
 
 _NO_EFFECT = {
     "trace_execution_times": (False, "tracing only serves automatic pipeline partitioning"),
@@ -300,6 +301,35 @@ class DistributedModel(torch.nn.Module):
 
     def is_local_buffer(self, buf: Any) -> bool:
         return True
+
+    # ---- tensor-parallel helpers (SMP v1.6+; answers from the sharding, see tensor_parallel.introspect) --
+    def distributed_modules(self) -> Iterator[torch.nn.Module]:
+        """The distributed modules: ``smp.nn`` modules and those the engine sharded in place."""
+        return introspect.distributed_modules(self.module)
+
+    def is_distributed_parameter(self, param: torch.Tensor) -> bool:
+        """True when ``param`` is split over the tensor-parallel ranks (this rank holds a shard)."""
+        return introspect.is_distributed(param)
+
+    def is_distributed_buffer(self, buf: torch.Tensor) -> bool:
+        """True when ``buf`` is split over the tensor-parallel ranks (the engine splits no buffers)."""
+        return introspect.is_distributed(buf)
+
+    def is_scaled_batch_parameter(self, param: torch.Tensor) -> bool:
+        """True when ``param`` sees the tensor-parallel group's batch (its gradient reduces over rdp)."""
+        return introspect.is_scaled_batch(param)
+
+    def is_scaled_batch_buffer(self, buf: torch.Tensor) -> bool:
+        """True when ``buf`` belongs to a distributed module and tensor parallelism is on."""
+        return id(buf) in introspect.scaled_batch_buffers(self.module, int(state.cfg.tensor_parallel_degree))
+
+    def default_reducer_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Named parameters whose gradients SMP all-reduces over the whole data-parallel group."""
+        return iter(introspect.split_by_reducer(self.module)[0])
+
+    def scaled_batch_reducer_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Named parameters whose gradients SMP all-reduces over the reduced-data-parallel group."""
+        return iter(introspect.split_by_reducer(self.module)[1])
 
     def get_param_name(self, param: torch.nn.Parameter) -> str:
         for name, p in self.module.named_parameters():
