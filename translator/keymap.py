@@ -37,7 +37,8 @@ CONDITIONS: dict[str, Condition] = {
     "forward_only": lambda p, v: p.get("pipeline_parallel_degree", 1) > 1 and v == "_only_forward",
     "tp": lambda p, v: p.get("tensor_parallel_degree", 1) > 1,
     "tp_pipeline": lambda p, v: p.get("tensor_parallel_degree", 1) > 1 and p.get("pipeline_parallel_degree", 1) > 1,
-    "tp_sdp": lambda p, v: p.get("tensor_parallel_degree", 1) > 1 and p.get("sharded_data_parallel_degree", 1) > 1,
+    "tp_sdp": lambda p, v: p.get("tensor_parallel_degree", 1) > 1 and p.get("sharded_data_parallel_degree", 1) > 1
+    and not p.get("prescaled_batch", False),
     "tp_runs": lambda p, v: runs(p),
     "offload": lambda p, v: p.get("offload_activations") is True,
 }
@@ -82,7 +83,9 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
     "sharded_data_parallel_degree": (
         _r("engine", "/engine/mics/shard_size",
            "MiCS-style sharding: DeepSpeed ZeRO-3 inside shard groups of this size, replica all-reduce "
-           "by the engine (DeepSpeed >= 0.19.7 removed mics_shard_size)", "sdp"),
+           "by the engine (DeepSpeed >= 0.19.7 removed mics_shard_size); with tensor_parallel_degree > 1 the "
+           "shard groups lie inside the reduced-data-parallel group and partition each rank's tensor-parallel "
+           "shards", "sdp"),
         _r("engine", "/engine/mics/shard_size", "1 = no sharded data parallelism"),
     ),
     "microbatches": (

@@ -149,13 +149,15 @@ def _topology(config: SMPConfig, params: Mapping[str, Any], world: int) -> Topol
     except ValueError as err:
         raise SMPConfigError([Issue(params_pointer(config, "pipeline_parallel_degree"), str(err))]) from None
     sdp_key = "hybrid_shard_degree" if config.smp_version == 2 else "sharded_data_parallel_degree"
-    if shard > 1 and topo.dp % shard:
+    # Shard groups lie inside the reduced-data-parallel group (rdp = dp without tensor parallelism).
+    if shard > 1 and topo.rdp % shard:
+        what = "data-parallel degree" if tp == 1 else "reduced data-parallel degree world / (pp x tp) ="
         issues.append(
             Issue(
                 params_pointer(config, sdp_key),
-                f"shard size {shard} does not divide the data-parallel degree {topo.dp}",
+                f"shard size {shard} does not divide the {what} {topo.rdp}",
                 given=shard,
-                allowed=", ".join(str(d) for d in range(1, topo.dp + 1) if topo.dp % d == 0),
+                allowed=", ".join(str(d) for d in range(1, topo.rdp + 1) if topo.rdp % d == 0),
             )
         )
     if shard > 1 and pp > 1:
@@ -284,14 +286,14 @@ def _mics(params: Mapping[str, Any], topo: Topology, rpn: int, remarks: list[str
     out: dict[str, Any] = {
         "enabled": shard > 1,
         "shard_size": shard,
-        "replicas": topo.dp // shard,
+        "replicas": topo.rdp // shard,
         "hierarchical_allgather": False,
         "hierarchical_allgather_requested": requested,
         "nodes_per_shard_group": 1,
         "shard_groups": None,
         "replica_groups": None,
-        "shard_group_count": topo.pp * (topo.dp // shard),
-        "replica_group_count": topo.pp * shard,
+        "shard_group_count": topo.pp * topo.tp * (topo.rdp // shard),
+        "replica_group_count": topo.pp * topo.tp * shard,
         "gradient_sync": "reduce-scatter inside the shard group every micro-batch; all-reduce of each rank's "
         "gradient partition across its replica group once per optimizer step",
     }
@@ -326,7 +328,7 @@ def _topology_section(
         "dp_degree": topo.dp,
         "mp_degree": topo.mp,
         "sharded_data_parallel_degree": shard,
-        "replicas": topo.dp // shard,
+        "replicas": topo.rdp // shard,
         "placement_strategy": params["placement_strategy"],
         "placement": topo.order,
         "ranks_per_node": rpn,

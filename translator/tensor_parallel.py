@@ -24,8 +24,10 @@ TP_WITH_PIPELINE_UNSUPPORTED = (
     "tensor_parallel_degree 1 with pipelines, or pipeline_parallel_degree 1 with tensor parallelism"
 )
 TP_WITH_SDP_UNSUPPORTED = (
-    "tensor parallelism combined with sharded_data_parallel_degree > 1 is not implemented by smp2ds yet; use "
-    "shard_optimizer_state (ZeRO-1) with tensor parallelism, or tensor_parallel_degree 1 with sharding"
+    "tensor parallelism combined with sharded_data_parallel_degree > 1 needs prescaled_batch: true (SMP 1.15's "
+    "requirement for this combination); smp2ds does not implement it with prescaled_batch false, where every "
+    "tensor-parallel rank brings its own batch; set prescaled_batch: true (the tensor-parallel group shares one "
+    "batch, sharded by rdp_rank)"
 )
 
 
@@ -35,7 +37,7 @@ def refusal(params: Mapping[str, Any]) -> str | None:
         return None
     if params.get("pipeline_parallel_degree", 1) > 1:
         return TP_WITH_PIPELINE_UNSUPPORTED
-    if params.get("sharded_data_parallel_degree", 1) > 1:
+    if params.get("sharded_data_parallel_degree", 1) > 1 and not params.get("prescaled_batch", False):
         return TP_WITH_SDP_UNSUPPORTED
     return None
 

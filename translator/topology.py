@@ -155,17 +155,20 @@ class Topology:
         raise ValueError(f"rank {rank} out of range 0..{self.world_size - 1}")
 
     def shard_groups(self, shard_size: int) -> list[list[int]]:
-        """MiCS shard groups: ``shard_size`` consecutive data-parallel ranks of each stage."""
+        """MiCS shard groups: ``shard_size`` consecutive ranks of each reduced-data-parallel group.
+
+        Without tensor parallelism the rdp group is the stage's data-parallel group; with it, the
+        ranks holding the same tensor-parallel shard (SMP 1.15's sharded data parallelism with
+        tensor parallelism partitions each rank's shards over them)."""
         self._check_shard_size(shard_size)
-        return [dp[i : i + shard_size] for dp in self.groups("dp") for i in range(0, self.dp, shard_size)]
+        return [rdp[i : i + shard_size] for rdp in self.groups("rdp") for i in range(0, self.rdp, shard_size)]
 
     def replica_groups(self, shard_size: int) -> list[list[int]]:
-        """MiCS replica groups: the strided data-parallel ranks that hold the same shard."""
+        """MiCS replica groups: the strided ranks of each rdp group that hold the same shard."""
         self._check_shard_size(shard_size)
-        return [dp[j :: shard_size] for dp in self.groups("dp") for j in range(shard_size)]
+        return [rdp[j :: shard_size] for rdp in self.groups("rdp") for j in range(shard_size)]
 
     def _check_shard_size(self, shard_size: int) -> None:
-        if shard_size < 1 or self.dp % shard_size:
-            raise ValueError(
-                f"sharded_data_parallel_degree({shard_size}) must divide the data-parallel degree({self.dp})"
-            )
+        if shard_size < 1 or self.rdp % shard_size:
+            what = "data-parallel degree" if self.tp == 1 else "reduced data-parallel degree (world / (pp x tp))"
+            raise ValueError(f"sharded_data_parallel_degree({shard_size}) must divide the {what}({self.rdp})")

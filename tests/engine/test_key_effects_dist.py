@@ -99,8 +99,9 @@ def _init_error(config: dict) -> list:
 def test_smp_init_refuses_what_explain_reports_unsupported_with_the_same_reason():
     from smp2ds.translator.tensor_parallel import TP_WITH_SDP_UNSUPPORTED
 
+    # tp 2 x sdp 2 on 4 ranks (rdp 2 holds the shard groups) without prescaled_batch: refused with the reason
     config = {"ddp": True, "tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "horovod": False}
-    per_rank = run_ranks(_init_error, 2, config)
+    per_rank = run_ranks(_init_error, 4, config)
     for issues in per_rank:
         assert issues == [("/tensor_parallel_degree",
                            f"tensor_parallel_degree is not supported: {TP_WITH_SDP_UNSUPPORTED}", 2)]

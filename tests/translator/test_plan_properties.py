@@ -95,7 +95,7 @@ def v1_case(draw) -> tuple[dict[str, Any], Layout]:
     pp = draw(st.sampled_from(divisors(world)))
     tp = draw(st.sampled_from(divisors(world // pp)))
     dp = world // pp
-    sdp = draw(st.sampled_from(divisors(dp))) if pp == 1 else 1
+    sdp = draw(st.sampled_from(divisors(dp // tp))) if pp == 1 else 1  # shard groups lie inside rdp
     doc: dict[str, Any] = {}
     if pp > 1 or draw(st.booleans()):
         doc[draw(st.sampled_from(["partitions", "pipeline_parallel_degree"]))] = pp
