@@ -49,10 +49,12 @@ class DistributedModule(torch.nn.Module):
 
 
 class DistributedLinear(torch.nn.Linear, DistributedModule):
-    """Tensor-parallel ``nn.Linear(in_features, out_features, bias)`` (sizes are global)."""
+    """Tensor-parallel ``nn.Linear(in_features, out_features, bias)`` (sizes are global). No catch-all
+    keyword arguments: a marking context's settings for other modules (``vocab_parallel``) skip it."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs: Any):
-        super().__init__(in_features, out_features, bias=bias, **kwargs)
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
+                 dtype: Any = None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.tp = tp_group.current()
         if self.tp.size == 1:
             return

@@ -100,12 +100,12 @@ def test_vocab_parallel_embedding_splits_the_vocabulary_and_trains_like_single_p
     assert float(ref["weights"]["emb.weight"][aw.PAD].abs().max()) == 0.0
     for rank, out in enumerate(per_rank):
         v = out["vocab"]
-        assert v["report"]["replaced"] == {"emb": "DistributedEmbedding"}
+        assert v["report"]["replaced"] == {"emb": "DistributedEmbedding", "head": "DistributedLinear"}
         assert v["local"]["emb.weight"] == (aw.VOCAB // 2, 16) and v["local"]["pos.weight"] == (aw.SEQ // 2, 16)
         _close(v["losses"], [s[v["data_rank"]] for s in ref["losses"]], f"rank {rank} losses")
         for k, w in ref["weights"].items():
             _close(v["weights"][k], w, f"rank {rank} {k}")
-        assert set(v["modules"]) == {"emb", "pos"}
+        assert set(v["modules"]) == {"emb", "pos", "head"}
 
 
 @pytest.mark.slow

@@ -2,9 +2,9 @@
 
 Models besides ``tp_workers``' Hugging Face ones:
 
-* ``VocabNet``: an ``nn.Embedding`` marked with ``smp.tensor_parallelism(vocab_parallel=True)`` (replaced
-  by ``smp.nn.DistributedEmbedding`` with the vocabulary split, its padding row in tp rank 1's half) and
-  a position table built directly as ``smp.nn.DistributedEmbedding(..., vocab_parallel=True)``;
+* ``VocabNet``: an ``nn.Embedding`` and the head ``nn.Linear`` marked with
+  ``smp.tensor_parallelism(vocab_parallel=True)`` (replaced by ``smp.nn.DistributedEmbedding`` with the
+  vocabulary split, its padding row in tp rank 1's half, and ``DistributedLinear``) and a position table built directly as ``smp.nn.DistributedEmbedding(..., vocab_parallel=True)``;
 * ``UserNet``: user classes registered with ``smp.tp_register`` (``FFN`` -> ``DistFFN``, with init,
   forward and return hooks) and ``smp.tp_register_with_module`` (``Mixer`` -> ``DistMixer``).
 
@@ -97,10 +97,10 @@ class VocabNet(torch.nn.Module):
         super().__init__()
         with smp.tensor_parallelism(enabled=tp, vocab_parallel=True):
             self.emb = torch.nn.Embedding(VOCAB, WIDTH, padding_idx=PAD)
+            self.head = torch.nn.Linear(WIDTH, VOCAB)  # DistributedLinear takes no vocab_parallel: skipped
         self.pos = smp.nn.DistributedEmbedding(SEQ, WIDTH, vocab_parallel=True) if tp else \
             torch.nn.Embedding(SEQ, WIDTH)
         self.norm = torch.nn.LayerNorm(WIDTH)
-        self.head = torch.nn.Linear(WIDTH, VOCAB)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.norm(self.emb(ids) + self.pos(torch.arange(ids.shape[1]).expand_as(ids)))
