@@ -24,6 +24,7 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "sharded_data_parallel_degree": (
         "tests/engine/test_mics_smp_api.py::test_smp_script_with_delayed_sharded_parameters_matches_single_process",
         "tests/engine/test_mics_dist.py::test_each_rank_holds_one_over_s_of_params_grads_and_optimizer_state",
+        "tests/engine/test_tp_sdp_dist.py::test_tp2_sdp2_delayed_init_trains_like_single_process_and_holds_a_quarter",
     ),
     "microbatches": ("tests/engine/test_key_effects_dist.py::test_mapped_keys_reach_the_running_deepspeed_engine",
                      "tests/engine/test_train_dist.py::test_training_equals_single_process_reference"),
@@ -42,7 +43,8 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "shard_optimizer_state": ("tests/engine/test_key_effects_dist.py::test_mapped_keys_reach_the_running_deepspeed_engine",),
     "delayed_parameter_initialization": (
         "tests/engine/test_mics_smp_api.py::test_smp_script_with_delayed_sharded_parameters_matches_single_process",
-        "tests/scripts/test_model_creation_scripts.py::test_gpt2_sdp_script_with_delayed_init_and_adamw_matches_single_process"),
+        "tests/scripts/test_model_creation_scripts.py::test_gpt2_sdp_script_with_delayed_init_and_adamw_matches_single_process",
+        "tests/engine/test_tp_sdp_dist.py::test_tp2_sdp2_delayed_init_trains_like_single_process_and_holds_a_quarter"),
     "fp16": ("tests/engine/test_train_dist.py::test_fp16_overflow_skips_the_step_and_lowers_the_scale",),
     "fp16_params": ("tests/engine/test_key_effects_dist.py::test_deprecated_fp16_params_and_v2_hybrid_shard_degree_reach_the_engine",),
     "bf16": ("tests/engine/test_key_effects_dist.py::test_mapped_keys_reach_the_running_deepspeed_engine",
@@ -64,7 +66,8 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
         "tests/engine/test_tensor_parallel_dist.py::test_tp2_rdp2_and_tp4_on_four_ranks_match_single_process"),
     "tensor_parallel_seed": (
         "tests/engine/test_tensor_parallel_dist.py::test_tp2_trains_hugging_face_families_and_an_smp_mlp_like_single_process",),
-    "prescaled_batch": ("tests/engine/test_tensor_parallel_dist.py::test_tp2_rdp2_and_tp4_on_four_ranks_match_single_process",),
+    "prescaled_batch": ("tests/engine/test_tensor_parallel_dist.py::test_tp2_rdp2_and_tp4_on_four_ranks_match_single_process",
+                        "tests/engine/test_tp_sdp_dist.py::test_tp2_sdp2_delayed_init_trains_like_single_process_and_holds_a_quarter"),
     "hybrid_shard_degree": ("tests/engine/test_key_effects_dist.py::test_deprecated_fp16_params_and_v2_hybrid_shard_degree_reach_the_engine",),
 }
 """key -> tests (``path`` or ``path::function``) that show its effect at run time."""

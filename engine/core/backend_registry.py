@@ -2,8 +2,10 @@
 
 * ``plan.engine.pipeline.enabled``: :class:`smp2ds.engine.pipeline.backend.PipelineBackend`;
 * ``plan.engine.tensor_parallel.enabled``: :mod:`smp2ds.engine.tensor_parallel.backend` (tensor
-  parallelism with DDP or ZeRO-1 over the reduced-data-parallel group; with pipelines or sharded
-  data parallelism ``smp.init`` refuses it, with the Plan's reason);
+  parallelism with DDP or ZeRO-1 over the reduced-data-parallel group; with pipelines ``smp.init``
+  refuses it, with the Plan's reason); with ``mics`` also enabled
+  :class:`smp2ds.engine.tensor_parallel.sharded_data.TensorShardedBackend` (ZeRO-3 over shard
+  groups inside the rdp group);
 * ``plan.engine.mics.enabled``: :class:`smp2ds.engine.mics.backend.MicsBackend`;
 * otherwise :class:`smp2ds.engine.data_parallel.backend.DataParallelBackend` (DDP, or ZeRO-1 for
   ``shard_optimizer_state``).
@@ -27,6 +29,10 @@ def make_backend(module: Any, state: Any) -> Backend:
         from smp2ds.engine.pipeline.backend import PipelineBackend
 
         return PipelineBackend(module, state=state, microbatches=microbatches)
+    if engine["tensor_parallel"]["enabled"] and engine["mics"]["enabled"]:
+        from smp2ds.engine.tensor_parallel.sharded_data import TensorShardedBackend
+
+        return TensorShardedBackend(module, state=state, microbatches=microbatches)
     if engine["tensor_parallel"]["enabled"]:
         from smp2ds.engine.tensor_parallel.backend import create_backend
 

@@ -20,14 +20,15 @@ class MicsBackend(DataParallelBackend):
     name = "mics"
     collective_state_dict = True
 
-    def __init__(self, module: Any, *, state: Any, microbatches: int):
+    def __init__(self, module: Any, *, state: Any, microbatches: int, mpu: Any = None):
+        """``mpu``: DeepSpeed's view of the groups (None: ``ShardGroupMPU``, no model parallelism)."""
         from smp2ds.engine import mics
 
         self.groups = state.mics_groups  # created by smp.init
         self._mics = mics
 
         def initialize(*, model: Any, optimizer: Any, config: dict, **_: Any) -> tuple:
-            return mics.initialize(model, optimizer, config, self.groups)
+            return mics.initialize(model, optimizer, config, self.groups, mpu=mpu)
 
         super().__init__(module, dict(state.plan.deepspeed), microbatches=microbatches, initialize=initialize)
 
@@ -36,9 +37,8 @@ class MicsBackend(DataParallelBackend):
         return True
 
     def param_shard_rank(self) -> int:
-        # Position inside this rank's shard group (SMP's param_shard_rank), which is the index
-        # of the replica group it belongs to -- not the index of its shard group.
-        return self.groups.layout.replica_index
+        # Position inside this rank's shard group (SMP's param_shard_rank), not the index of its shard group.
+        return self.groups.layout.shard_rank
 
     def param_shard_size(self) -> int:
         return self.groups.shard_size
@@ -69,7 +69,4 @@ class MicsBackend(DataParallelBackend):
         return self._mics.load_full_state_dict(self.engine, sd, strict=strict)
 
     def optimizer_partition(self) -> tuple[int, int]:
-        ranks = list(self.groups.layout.shard_ranks)
-        from smp2ds.engine.core.state import state
-
-        return ranks.index(state.groups.rank), len(ranks)
+        return self.groups.layout.shard_rank, self.groups.shard_size

@@ -52,13 +52,25 @@ class MicsLayout:
 
     @property
     def shard_index(self) -> int:
-        """Which shard group this rank belongs to (also its index inside its replica group)."""
+        """Which shard group this rank belongs to (without tensor parallelism also its index inside
+        its replica group; see :attr:`replica_rank`)."""
         return _index_of(self.shard_groups, self.rank)
 
     @property
     def replica_index(self) -> int:
-        """Which replica group this rank belongs to (also its rank inside its shard group)."""
+        """Which replica group this rank belongs to (without tensor parallelism also its rank inside
+        its shard group; see :attr:`shard_rank`)."""
         return _index_of(self.replica_groups, self.rank)
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's position inside its shard group (SMP's ``param_shard_rank``), at any tp."""
+        return self.shard_ranks.index(self.rank)
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's position inside its replica group, at any tp."""
+        return self.replica_ranks.index(self.rank)
 
     @property
     def shard_ranks(self) -> tuple[int, ...]:
@@ -76,15 +88,16 @@ class MicsLayout:
     def build(cls, topology: Topology, shard_size: int, rank: int, ranks_per_node: int | None = None,
               hierarchical: bool = True) -> MicsLayout:
         """Layout for ``rank``; raises ValueError naming the numbers when S does not fit."""
-        if topology.pp != 1 or topology.tp != 1:
+        if topology.pp != 1:
             raise ValueError(
-                f"sharded data parallelism here needs pipeline_parallel_degree(1) and tensor_parallel_degree(1); "
-                f"got pp={topology.pp}, tp={topology.tp}. Hint: use sharded_data_parallel_degree with pure data "
-                "parallelism, or drop it and use shard_optimizer_state with pipelines/tensor parallelism.")
-        if not isinstance(shard_size, int) or shard_size < 1 or shard_size > topology.dp or topology.dp % shard_size:
+                f"sharded data parallelism here needs pipeline_parallel_degree(1); got pp={topology.pp}. Hint: "
+                "drop it and use shard_optimizer_state with pipelines.")
+        # With tensor parallelism the shard groups lie inside the rdp group (rdp = dp when tp is 1).
+        rdp = topology.rdp
+        if not isinstance(shard_size, int) or shard_size < 1 or shard_size > rdp or rdp % shard_size:
             raise ValueError(
-                f"sharded_data_parallel_degree({shard_size!r}) must be an int in 1..dp({topology.dp}) that divides "
-                f"dp; allowed: {[s for s in range(1, topology.dp + 1) if topology.dp % s == 0]}")
+                f"sharded_data_parallel_degree({shard_size!r}) must be an int in 1..rdp({rdp}) that divides "
+                f"rdp (= dp / tensor_parallel_degree); allowed: {[s for s in range(1, rdp + 1) if rdp % s == 0]}")
         if not 0 <= rank < topology.world_size:
             raise ValueError(f"rank {rank} out of range 0..{topology.world_size - 1}")
         shard_groups = tuple(tuple(g) for g in topology.shard_groups(shard_size))
@@ -92,7 +105,7 @@ class MicsLayout:
         plans = tuple(plan_hierarchical(g, ranks_per_node) if hierarchical
                       else HierarchicalPlan(False, "sdp_hierarchical_allgather is false") for g in shard_groups)
         return cls(rank=rank, world_size=topology.world_size, shard_size=shard_size,
-                   replicas=topology.dp // shard_size, shard_groups=shard_groups, replica_groups=replica_groups,
+                   replicas=rdp // shard_size, shard_groups=shard_groups, replica_groups=replica_groups,
                    ranks_per_node=ranks_per_node, hierarchical=plans)
 
 

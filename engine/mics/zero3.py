@@ -66,7 +66,7 @@ def sync_replicas(model: torch.nn.Module, groups: MicsGroups) -> None:
 
 def initialize(model: torch.nn.Module, optimizer: Any, ds_config: Mapping[str, Any], groups: MicsGroups,
                hierarchical: bool | None = None, lr_scheduler: Any = None,
-               model_parameters: Any = None) -> tuple[Any, Any]:
+               model_parameters: Any = None, mpu: Any = None) -> tuple[Any, Any]:
     """``deepspeed.initialize`` for MiCS; returns ``(engine, engine.optimizer)`` with the replica hook.
 
     * DeepSpeed's data-parallel group is the shard group (``ShardGroupMPU``), so ZeRO-3 partitions
@@ -76,8 +76,10 @@ def initialize(model: torch.nn.Module, optimizer: Any, ds_config: Mapping[str, A
     * the optimizer's ``step`` first averages gradient partitions over the replica group;
     * ``hierarchical`` (None = as ``groups`` decided, False = off) routes parameter fetches of a
       shard group spanning nodes through the two-stage all-gather;
-    * only the first shard group writes checkpoint files (replicas hold identical state and the
-      same file names), every rank reads.
+    * only the first shard group of each rdp group writes checkpoint files (replicas hold identical
+      state and the same file names), every rank reads;
+    * ``mpu``: DeepSpeed's view of the groups (default ``ShardGroupMPU``: model parallelism of one
+      rank); tensor parallelism passes one whose model-parallel group is the tensor-parallel group.
     """
     import deepspeed
 
@@ -87,7 +89,7 @@ def initialize(model: torch.nn.Module, optimizer: Any, ds_config: Mapping[str, A
         plan = groups.layout.my_hierarchical
         install_hierarchical_allgather(groups.shard_group, groups.inter_group, groups.intra_group,
                                        plan.nodes, plan.per_node)
-    kwargs: dict[str, Any] = {"model": model, "config": cfg, "mpu": ShardGroupMPU(groups)}
+    kwargs: dict[str, Any] = {"model": model, "config": cfg, "mpu": mpu or ShardGroupMPU(groups)}
     if optimizer is not None:
         kwargs["optimizer"] = optimizer
     if lr_scheduler is not None:
@@ -97,7 +99,7 @@ def initialize(model: torch.nn.Module, optimizer: Any, ds_config: Mapping[str, A
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     if optimizer is not None:  # an engine only for evaluation / state dicts has no ZeRO-3 optimizer
         install_replica_allreduce(engine.optimizer, groups.replica_group, groups.replicas)
-    if groups.layout.shard_index != 0:
+    if groups.layout.replica_rank != 0:
         engine.save_non_zero_checkpoint = False
         engine.save_zero_checkpoint = False
     engine.mics_groups = groups

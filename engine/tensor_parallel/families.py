@@ -11,7 +11,8 @@ as SMP's distributed transformer kept them by default (``distribute_embedding: F
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -108,8 +109,11 @@ def shard_block(block: torch.nn.Module, rule: BlockRule, tp: TPGroup, name: str)
     make_region(block, tp)
 
 
-def shard_model(model: torch.nn.Module, tp: TPGroup) -> list[str]:
-    """Shard every covered block of a Hugging Face model; returns their names (empty: none found)."""
+def shard_model(model: torch.nn.Module, tp: TPGroup,
+                around: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None) -> list[str]:
+    """Shard every covered block of a Hugging Face model; returns their names (empty: none found).
+
+    ``around(block)`` (optional) wraps each block's sharding (``registry.apply``'s argument)."""
     found = list(blocks(model))
     if not found:
         return []
@@ -117,5 +121,6 @@ def shard_model(model: torch.nn.Module, tp: TPGroup) -> list[str]:
     if config is not None:
         check_divisible(config, tp.size, type(model).__name__)
     for name, block, rule in found:
-        shard_block(block, rule, tp, name)
+        with around(block) if around is not None else contextlib.nullcontext():
+            shard_block(block, rule, tp, name)
     return [name for name, _, _ in found]

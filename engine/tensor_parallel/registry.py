@@ -33,6 +33,10 @@ MARK = "_smp2ds_tp_mark"
 INIT_ARGS = "_smp2ds_init_args"
 
 
+Around = Callable[[torch.nn.Module], contextlib.AbstractContextManager]
+"""``around(module)``: a context in which ``module``'s parameters can be read and replaced whole."""
+
+
 @dataclass(frozen=True)
 class Mark:
     enabled: bool
@@ -151,10 +155,14 @@ class Report:
 
 def sync_replicas(module: torch.nn.Module, tp: TPGroup) -> None:
     """Make every tensor-parallel rank start from the same weights (tp rank 0's): DeepSpeed only
-    broadcasts inside the data-parallel (rdp) group."""
+    broadcasts inside the data-parallel (rdp) group. A parameter already partitioned by ZeRO-3
+    (sharded data parallelism with delayed init) broadcasts its partition: tensor-parallel peers sit
+    at the same place in their shard groups, so they hold the same piece."""
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            comm.broadcast(t.data, tp.src, group=tp.handle)
+            for tensor in (t.ds_tensor, t.data) if hasattr(t, "ds_tensor") else (t.data,):
+                if tensor.numel():
+                    comm.broadcast(tensor, tp.src, group=tp.handle)
 
 
 def _shared_params(root: torch.nn.Module) -> set[int]:
@@ -194,8 +202,17 @@ def _accepted(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def apply(root: torch.nn.Module, tp: TPGroup) -> Report:
-    """Shard or replace the marked modules of ``root`` in place (see the module docstring)."""
+def _as_is(module: torch.nn.Module) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def apply(root: torch.nn.Module, tp: TPGroup, around: Around | None = None) -> Report:
+    """Shard or replace the marked modules of ``root`` in place (see the module docstring).
+
+    ``around(module)``, when given, wraps the sharding of each block and the placing of each
+    replacement: parameters created partitioned (sharded data parallelism) are whole inside it
+    and the new shards partitioned when it exits, so no rank holds more than one block whole."""
+    around = around or _as_is
     register_builtins()
     report = Report()
     marked = [m for m in root.modules() if (mark_of(m) or Mark(False)).enabled]
@@ -207,7 +224,7 @@ def apply(root: torch.nn.Module, tp: TPGroup) -> Report:
     def visit(module: torch.nn.Module, prefix: str) -> None:
         mark = mark_of(module)
         if mark is not None and mark.enabled and list(families.blocks(module)):
-            report.sharded_blocks += [f"{prefix}{n}".rstrip(".") for n in families.shard_model(module, tp)]
+            report.sharded_blocks += [f"{prefix}{n}".rstrip(".") for n in families.shard_model(module, tp, around)]
             return
         for name, child in list(module.named_children()):
             path = f"{prefix}{name}"
@@ -224,7 +241,9 @@ def apply(root: torch.nn.Module, tp: TPGroup) -> Report:
                         reg.dist_module.can_distribute(*_builtin_args(child)[0], **_builtin_args(child)[1]):
                     visit(child, path + ".")
                     continue
-                setattr(module, name, _replace(child, reg, child_mark.kwargs))
+                new = _replace(child, reg, child_mark.kwargs)
+                with around(new):
+                    setattr(module, name, new)
                 report.replaced[path] = type(getattr(module, name)).__name__
                 continue
             visit(child, path + ".")

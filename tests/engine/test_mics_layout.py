@@ -32,9 +32,19 @@ def test_invalid_shard_size_names_the_value_and_the_allowed_ones(shard, given):
         MicsLayout.build(Topology(rdp=4), shard, 0)
 
 
-def test_pipeline_or_tensor_parallel_with_mics_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"pp=2, tp=1"):
+def test_pipeline_with_mics_is_a_clear_error_and_tensor_parallel_shards_inside_rdp():
+    with pytest.raises(ValueError, match=r"pp=2"):
         MicsLayout.build(Topology(pp=2, rdp=2), 2, 0)
+    # tp 2 x rdp 4 (cluster: tp fastest): shard groups of 2 inside each rdp group, i.e. among the ranks
+    # holding the same tensor-parallel shard; positions inside shard and replica groups at any tp.
+    topo = Topology(tp=2, rdp=4)
+    layout = MicsLayout.build(topo, 2, 5)
+    assert layout.shard_groups == ((0, 2), (4, 6), (1, 3), (5, 7))
+    assert layout.replica_groups == ((0, 4), (2, 6), (1, 5), (3, 7))
+    assert (layout.shard_ranks, layout.shard_rank, layout.replica_ranks, layout.replica_rank) == ((5, 7), 0, (1, 5), 1)
+    assert layout.replicas == 2
+    with pytest.raises(ValueError, match=r"1..rdp\(4\) that divides rdp"):
+        MicsLayout.build(topo, 8, 0)
 
 
 @pytest.mark.parametrize("per_node, nodes", [(1, 2), (2, 2), (2, 4), (4, 2), (8, 2), (8, 4)])
