@@ -2,10 +2,12 @@
 
 ``DistributedTransformerLMHead``: word + position (+ token-type) embeddings, embedding dropout,
 ``transformer`` (a :class:`DistributedTransformer`), and an LM head tied to the word embedding
-(or its own ``lm_head`` when ``tie_input_output_embedding=False``). Embeddings and the head are
-replicated on every tensor-parallel rank (SMP's ``distribute_embedding=False``); the layers are
-split Megatron-style (:mod:`transformer_layers`). The whole module is one tensor-parallel region;
-the loss is computed outside it, on this rank's own rows.
+(or its own ``lm_head`` when ``tie_input_output_embedding=False``). By default embeddings and the
+head are replicated on every tensor-parallel rank (SMP's ``distribute_embedding=False``) and the
+loss is computed outside the module's tensor-parallel region, on this rank's own rows; with
+``distribute_embedding=True`` (tp > 1) the vocabulary is split and the loss is a vocab-parallel
+cross-entropy computed inside the region (:mod:`vocab_head`). The layers are split Megatron-style
+(:mod:`transformer_layers`).
 
 Forward contracts (SMP's):
 
@@ -15,7 +17,7 @@ Forward contracts (SMP's):
 * ``DistributedTransformerLMHead.forward((input_ids, attention_mask, token_type_ids, position_ids,
   labels))`` with ``attention_mask`` 0/1 ``[N,S]``, 1 = masked (any of the last four may be None)
   -> logits ``[N,S,V]`` without labels, ``(loss, logits)`` with labels (causal models shift
-  labels by one, ``-100`` is ignored).
+  labels by one, ``-100`` is ignored); ``(loss, None)`` with labels and a split vocabulary.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn import transformer_options as opts
+from smp2ds.engine.nn import vocab_head
 from smp2ds.engine.nn.transformer_layers import (
     DistributedLayerNorm,
     DistributedTransformerLayer,
@@ -80,10 +83,12 @@ class DistributedTransformerLMHead(RegionModule):
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
                  pre_layernorm: bool = False, post_layernorm: bool = True, **extras: Any):
         super().__init__()
+        distribute_embedding = bool(extras.pop("distribute_embedding", False))
         self.options = o = opts.parse("DistributedTransformerLMHead", extras)
         opts.check_no_cross_attention("DistributedTransformerLMHead", add_cross_attention)
         self.causal_mask_size, self.add_lm_head, self.vocab_size = causal_mask_size, add_lm_head, vocab_size
-        gen = init_generator(tp_group.current().size)
+        tp = tp_group.current()
+        gen = init_generator(tp.size)
 
         def embedding(rows: int) -> torch.nn.Embedding:
             emb = torch.nn.Embedding(rows, hidden_size)
@@ -108,10 +113,17 @@ class DistributedTransformerLMHead(RegionModule):
                 self.lm_head.weight.normal_(0.0, initializer_range, generator=gen)
         self.lm_head_bias = torch.nn.Parameter(torch.zeros(vocab_size)) if add_lm_head and o.use_lm_head_bias \
             else None
+        self.vocab_parallel = distribute_embedding and tp.size > 1
+        if self.vocab_parallel:
+            vocab_head.split_vocabulary(self, tp)
         self._adopt()
 
     def forward(self, inputs: Any) -> Any:
         ids, mask, token_types, positions, labels = _unpack(inputs)
+        if self.vocab_parallel and labels is not None and self.add_lm_head:
+            # the loss is computed inside the region from vocab-split logits, which are never joined
+            per_token, valid = self._region(self._forward_loss, ids, mask, token_types, positions, labels)
+            return per_token.sum() / valid.sum(), None
         out = self._region(self._forward, ids, mask, token_types, positions)
         if labels is None:
             return out
@@ -119,6 +131,21 @@ class DistributedTransformerLMHead(RegionModule):
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None, token_types: torch.Tensor | None,
                  positions: torch.Tensor | None) -> torch.Tensor:
+        hidden = self._hidden(ids, mask, token_types, positions)
+        if not self.add_lm_head:
+            return hidden
+        if self.vocab_parallel:
+            return vocab_head.full_logits(self, hidden)
+        head = self.word_embedding.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, head, self.lm_head_bias)
+
+    def _forward_loss(self, ids: torch.Tensor, mask: torch.Tensor | None, token_types: torch.Tensor | None,
+                      positions: torch.Tensor | None, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self._hidden(ids, mask, token_types, positions)
+        return vocab_head.token_losses(self, hidden, labels, shift=self.causal_mask_size is not None)
+
+    def _hidden(self, ids: torch.Tensor, mask: torch.Tensor | None, token_types: torch.Tensor | None,
+                positions: torch.Tensor | None) -> torch.Tensor:
         hidden = self.word_embedding(ids)
         if self.position_embedding is not None:
             if positions is None:
@@ -132,11 +159,7 @@ class DistributedTransformerLMHead(RegionModule):
         additive = None
         if mask is not None:  # 1 = masked -> mask_value added to those keys' scores
             additive = (mask.to(hidden.dtype) * self.options.mask_value)[:, None, None, :]
-        hidden, _ = self.transformer((self.embedding_dropout(hidden), additive))
-        if not self.add_lm_head:
-            return hidden
-        head = self.word_embedding.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, head, self.lm_head_bias)
+        return self.transformer((self.embedding_dropout(hidden), additive))[0]
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over labels != -100 (shifted by one position for causal models)."""

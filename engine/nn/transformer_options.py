@@ -45,7 +45,7 @@ _IGNORED_POSITIONAL = ("layer_idx", "input_layer", "output_layer", "full_attenti
 """Bookkeeping SMP passes between its own layers (``layer_idx`` is read where it matters)."""
 
 _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "distribute_embedding": (False, None),
+    "distribute_embedding": (False, None),  # DistributedTransformerLMHead takes it before parse
     "rotary_pct": (None,),
     "use_alibi": (False, None),
     "alibi_bias_max": (8, None),
@@ -58,7 +58,8 @@ _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
 """Extras smp2ds does not implement: only their 'off' values are accepted."""
 
 _WHY = {
-    "distribute_embedding": "vocab-parallel embedding / cross-entropy inside the distributed transformer",
+    "distribute_embedding": "a vocab-parallel embedding outside DistributedTransformerLMHead (which owns the "
+                            "embedding and implements it)",
     "rotary_pct": "rotary_pct (give rotary_dim, the number of rotated features per head)",
     "use_alibi": "ALiBi attention biases",
     "alibi_bias_max": "ALiBi attention biases",

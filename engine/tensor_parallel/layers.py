@@ -10,6 +10,9 @@ and its place in the model stay; its weight (and bias) become this rank's shard.
 ``nn.Linear`` keeps its weight as ``[out, in]``; GPT-2's ``Conv1D`` as ``[in, out]`` (transposed),
 so the split dimension differs. ``blocks`` > 1 splits a fused projection (query/key/value) per
 block, keeping every head's q, k and v on the same rank.
+
+A vocab-parallel ``nn.Embedding`` keeps rows ``[r*V/tp, (r+1)*V/tp)`` on rank ``r``: ids outside
+look up zeros and the group's partial results are summed (:func:`vocab_parallel_lookup`).
 """
 
 from __future__ import annotations
@@ -94,3 +97,34 @@ def make_row_parallel(module: torch.nn.Module, tp: TPGroup, *, path: str = "line
     shard_parameter(module, "weight", ShardSpec(in_dim, tp.size), tp.rank)
     module._smp2ds_tp, module._smp2ds_conv1d = tp, conv
     swap_class(module, _RowParallel)
+
+
+def vocab_parallel_lookup(ids: torch.Tensor, weight: torch.Tensor, tp: TPGroup, padding_idx: int | None = None,
+                          norm_type: float = 2.0, scale_grad_by_freq: bool = False) -> torch.Tensor:
+    """Embedding lookup of global ``ids`` in this rank's rows ``weight`` of a vocabulary split over ``tp``."""
+    rows = weight.shape[0]
+    start = tp.rank * rows
+    outside = (ids < start) | (ids >= start + rows)
+    local_ids = (ids - start).masked_fill(outside, 0)
+    local_pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + rows else None
+    out = F.embedding(local_ids, weight, local_pad, None, norm_type, scale_grad_by_freq)
+    return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), tp)
+
+
+class _VocabParallelEmbedding:
+    """forward of a vocab-parallel embedding (mixed in front of ``nn.Embedding``)."""
+
+    _smp2ds_tp: TPGroup
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_lookup(ids, self.weight, self._smp2ds_tp, self.padding_idx, self.norm_type,
+                                     self.scale_grad_by_freq)
+
+
+def make_vocab_parallel(module: torch.nn.Embedding, tp: TPGroup) -> None:
+    """Split ``module``'s vocabulary (weight rows) over ``tp`` in place (it must run inside a region)."""
+    if module.max_norm is not None or module.sparse:
+        raise TypeError("a vocab-parallel embedding takes max_norm=None and sparse=False")
+    shard_parameter(module, "weight", ShardSpec(0, tp.size), tp.rank)
+    module._smp2ds_tp = tp
+    swap_class(module, _VocabParallelEmbedding)

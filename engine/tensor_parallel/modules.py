@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.tensor_parallel import group as tp_group
 from smp2ds.engine.tensor_parallel import rng
-from smp2ds.engine.tensor_parallel.collectives import copy_to_tp, gather_last_dim, reduce_from_tp
+from smp2ds.engine.tensor_parallel.collectives import copy_to_tp, gather_last_dim
+from smp2ds.engine.tensor_parallel.layers import vocab_parallel_lookup
 from smp2ds.engine.tensor_parallel.region import mark_scaled_batch, run_region
 from smp2ds.engine.tensor_parallel.shards import ShardSpec, shard_parameter
 
@@ -114,12 +115,5 @@ class DistributedEmbedding(torch.nn.Embedding, DistributedModule):
         if not self.vocab_parallel:
             return gather_last_dim(F.embedding(ids, self.weight, self.padding_idx, None, self.norm_type,
                                                self.scale_grad_by_freq), self.tp)
-        rows = self.weight.shape[0]
-        start = self.tp.rank * rows
-        outside = (ids < start) | (ids >= start + rows)
-        local_ids = (ids - start).masked_fill(outside, 0)
-        pad = self.padding_idx
-        local_pad = pad - start if pad is not None and start <= pad < start + rows else None
-        out = F.embedding(local_ids, self.weight, local_pad, None, self.norm_type, self.scale_grad_by_freq)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.tp)
+        return vocab_parallel_lookup(ids, self.weight, self.tp, self.padding_idx, self.norm_type,
+                                     self.scale_grad_by_freq)

@@ -128,8 +128,6 @@ def test_replacement_refuses_families_not_implemented_and_cross_attention():
 
 
 @pytest.mark.parametrize(("kwargs", "error", "text"), [
-    ({"distribute_embedding": True}, SMPUnsupportedError,
-     r"distribute_embedding=True\): vocab-parallel embedding .* not implemented by smp2ds"),
     ({"single_pre_layernorm": True}, SMPUnsupportedError,
      r"single_pre_layernorm=True\) is implemented with parallel_attn_output=True only"),
     ({"rotary_pct": 0.5}, SMPUnsupportedError, r"rotary_pct=0.5\): rotary_pct \(give rotary_dim, .*\) is not implemented"),
