@@ -20,6 +20,8 @@ Public surface (for the engine core; all collective calls must run on every rank
     model creation and engine share group objects). ``ranks_per_node`` defaults to
     ``LOCAL_WORLD_SIZE``. Fields: ``layout`` (pure ``MicsLayout``: ``shard_groups``,
     ``replica_groups``, ``shard_ranks``, ``replica_ranks``, ``shard_index``, ``replica_index``,
+    ``shard_rank`` / ``replica_rank`` (positions inside the groups; with tensor parallelism the
+    groups lie inside the rdp group),
     ``hierarchical`` plans with reasons), ``shard_group``, ``replica_group``, ``inter_group``,
     ``intra_group``, ``shard_size``, ``replicas``, ``hierarchical``.
 ``shard_ds_config(ds_config, groups) -> dict``

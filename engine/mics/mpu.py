@@ -3,9 +3,10 @@
 DeepSpeed asks an mpu (Megatron-style "model parallel unit") for its data-parallel group and
 partitions ZeRO-3 state over it. Answering with the *shard* group makes DeepSpeed's own ZeRO-3
 shard inside the shard group only; model-parallel queries answer a one-rank group (size 1,
-rank 0) because MiCS here runs without tensor or pipeline parallelism. The object deliberately
-has no ``initialize_sequence_parallel`` / ``get_sequence_*`` methods: DeepSpeed then falls back
-to the data-parallel answers (deepspeed/utils/groups.py).
+rank 0): without tensor parallelism there is no model parallelism (with it,
+``smp2ds.engine.tensor_parallel.sharded_data.TensorShardMPU`` answers the tensor-parallel group).
+The object deliberately has no ``initialize_sequence_parallel`` / ``get_sequence_*`` methods:
+DeepSpeed then falls back to the data-parallel answers (deepspeed/utils/groups.py).
 """
 
 from __future__ import annotations

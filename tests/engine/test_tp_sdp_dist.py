@@ -6,9 +6,10 @@ a time, and train like a single process on the union of the rdp ranks' batches (
 ``sdp_gradient_clipping`` that clips; losses and full weights, rtol 1e-4). Each rank holds the ZeRO-3
 partition of its tensor-parallel shards: measured per parameter and in total (~1/(tp x sdp) for the
 MLP whose every large layer is distributed; GPT-2's embeddings and layer norms stay whole on the
-tensor-parallel group and count at 1/sdp). A partial ``smp.save`` / ``smp.load`` round trip resumes
-exactly; a model created whole (``zero_init=False``) is partitioned when the engine is built and trains
-the same.
+tensor-parallel group and count at 1/sdp). Partial ``smp.save`` / ``smp.load`` and
+``save_checkpoint`` / ``resume_from_checkpoint`` round trips resume exactly; a model created whole
+(``zero_init=False``) is partitioned when the engine is built and trains the same (SGD: its weights
+follow the clipping coefficient, so a gradient norm that missed a tensor-parallel shard fails).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from tests.engine import tp_workers as tw
 B = 4
 TP = SDP = 2
 PHASES = [
-    {"model": "gpt2", "optimizer": "adamw", "seed": 21, "steps": 3, "clip": sw.CLIP, "checkpoint": True},
+    {"model": "gpt2", "optimizer": "adamw", "seed": 21, "steps": 3, "clip": sw.CLIP, "checkpoint": "save"},
     {"model": "mlp", "optimizer": "adamw", "seed": 22, "steps": 3, "clip": sw.CLIP},
-    {"model": "gpt2", "optimizer": "adamw", "seed": 23, "steps": 2, "clip": sw.CLIP, "delayed": False},
+    # SGD follows the clipping coefficient exactly: a gradient norm that missed the other tensor-parallel
+    # rank's shards (or counted replicated parameters twice) moves these weights visibly.
+    {"model": "gpt2", "optimizer": "sgd", "seed": 23, "steps": 2, "clip": sw.CLIP, "delayed": False,
+     "checkpoint": "resume"},
 ]
 ADAMW_ATOL = 3e-5  # as in test_tensor_parallel_dist: AdamW on gradients near 1e-7 moves by ~1e-5 with sum order
 
@@ -36,12 +40,13 @@ def _close(got, want, what: str, atol: float = 1e-5) -> None:
 
 
 def _check_equivalence(rank: int, phase: dict, got: dict, ref: dict) -> None:
+    atol = ADAMW_ATOL if phase["optimizer"] == "adamw" else 1e-5
     what = f"rank {rank} {phase['model']} (delayed={phase.get('delayed', True)})"
     assert max(ref["norms"]) > phase["clip"], "the test's clipping must clip"
     _close(got["losses"], [step[got["data_rank"]] for step in ref["losses"]], f"{what}: losses")
     assert sorted(got["weights"]) == sorted(ref["weights"]), f"{what}: state_dict() names"
     for key, value in ref["weights"].items():
-        _close(got["weights"][key], value, f"{what}: weight {key}", ADAMW_ATOL)
+        _close(got["weights"][key], value, f"{what}: weight {key}", atol)
 
 
 def _check_held(rank: int, phase: dict, got: dict) -> tuple[int, int]:
@@ -89,8 +94,16 @@ def test_tp2_sdp2_delayed_init_trains_like_single_process_and_holds_a_quarter():
 
 
 def _check_round_trip(per_rank: list) -> None:
+    """smp.save/smp.load (GPT-2, AdamW, born partitioned) and save_checkpoint/resume_from_checkpoint (GPT-2,
+    SGD with momentum, created whole): one file per (tp, rdp) rank for the sharded optimizer state, one model
+    file per tp rank (its shards whole), and the step after loading equals the uninterrupted step."""
+    grid = [(t, d) for t in range(TP) for d in range(SDP)]
+    names = {0: sorted(f"tp_sdp_ckpt_0_{t}_{d}.pt" for t, d in grid),
+             2: sorted([f"model_0_{t}.pt" for t in range(TP)] + [f"optimizer_states_0_{t}_{d}.pt" for t, d in grid]
+                       + ["smp2ds_manifest.json", "smp_config.pt"])}
     for rank, results in enumerate(per_rank):
-        ckpt = results[0]["checkpoint"]
-        assert ckpt["files"] == sorted(f"tp_sdp_ckpt_0_{t}_{d}.pt" for t in range(TP) for d in range(SDP)), ckpt
-        for key, value in ckpt["uninterrupted"].items():
-            _close(ckpt["resumed"][key], value, f"rank {rank}: resumed {key}", 1e-6)
+        for p, files in names.items():
+            ckpt = results[p]["checkpoint"]
+            assert ckpt["files"] == files, ckpt["files"]
+            for key, value in ckpt["uninterrupted"].items():
+                _close(ckpt["resumed"][key], value, f"rank {rank} phase {p}: resumed {key}", 1e-6)

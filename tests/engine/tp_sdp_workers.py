@@ -111,10 +111,17 @@ def _train_phase(smp: Any, phase: dict, b: int) -> dict:
 
 
 def _save_load_round_trip(smp: Any, phase: dict, model: Any, opt: Any, train_step: Any, b: int) -> dict:
-    """smp.save(partial=True, v3=True) of model and optimizer -> fresh model -> smp.load: the next step
-    equals the uninterrupted one (AdamW moments and step count travel with the optimizer)."""
-    path = os.path.join(os.environ["SMP2DS_TEST_TMPDIR"], "tp_sdp_ckpt")
-    smp.save({"model": model.local_state_dict(), "optimizer": opt.local_state_dict()}, path, partial=True, v3=True)
+    """Partial checkpoint of model and optimizer -> fresh model -> load: the next step equals the
+    uninterrupted one (optimizer moments and step count travel with the optimizer). ``checkpoint``:
+    ``"save"`` = smp.save(partial=True, v3=True) / smp.load, ``"resume"`` = smp.save_checkpoint /
+    smp.resume_from_checkpoint."""
+    tmp = os.environ["SMP2DS_TEST_TMPDIR"]
+    path = os.path.join(tmp, "tp_sdp_ckpt" if phase["checkpoint"] == "save" else "tp_sdp_resume")
+    if phase["checkpoint"] == "save":
+        smp.save({"model": model.local_state_dict(), "optimizer": opt.local_state_dict()}, path, partial=True,
+                 v3=True)
+    else:
+        smp.save_checkpoint(path, "t", partial=True, model=model, optimizer=opt)
     smp.barrier()
     rank, ranks = smp.rdp_rank(), smp.rdp_size()
     ids = tw.global_ids(phase["steps"], ranks * b)[rank * b:(rank + 1) * b]
@@ -126,9 +133,14 @@ def _save_load_round_trip(smp: Any, phase: dict, model: Any, opt: Any, train_ste
     fresh = {**phase, "seed": phase["seed"] + 1000}  # other weights: the checkpoint must replace them
     model, _, _ = _build(smp, fresh)
     opt = smp.DistributedOptimizer(tw.make_optimizer(phase["optimizer"], model.parameters()))
-    loaded = smp.load(path, partial=True)
-    model.load_state_dict(loaded["model"])
-    opt.load_state_dict(loaded["optimizer"])
+    if phase["checkpoint"] == "save":
+        loaded = smp.load(path, partial=True)
+        model.load_state_dict(loaded["model"])
+        opt.load_state_dict(loaded["optimizer"])
+        files = sorted(f for f in os.listdir(tmp) if f.startswith("tp_sdp_ckpt"))
+    else:
+        smp.resume_from_checkpoint(path, tag="t", partial=True)
+        files = sorted(os.listdir(os.path.join(path, "t_partial")))
 
     @smp.step
     def step_again(model: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -139,7 +151,6 @@ def _save_load_round_trip(smp: Any, phase: dict, model: Any, opt: Any, train_ste
     opt.zero_grad()
     step_again(model, ids)
     opt.step()
-    files = sorted(f for f in os.listdir(os.path.dirname(path)) if f.startswith("tp_sdp_ckpt"))
     return {"uninterrupted": uninterrupted, "resumed": model.state_dict(), "files": files}
 
 
