@@ -35,6 +35,7 @@ from smp2ds.engine.nn.transformer_layers import (
     DistributedTransformerLayer,
     RegionModule,
     init_generator,
+    norm,
 )
 from smp2ds.engine.tensor_parallel import group as tp_group
 
@@ -69,7 +70,7 @@ class DistributedTransformer(RegionModule):
 
     def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden, mask = self.seq_layers((hidden, mask))
-        return (hidden if self.layernorm is None else self.layernorm(hidden)), mask
+        return (hidden if self.layernorm is None else norm(self.layernorm, hidden)), mask
 
 
 class DistributedTransformerLMHead(RegionModule):
@@ -159,6 +160,8 @@ class DistributedTransformerLMHead(RegionModule):
         additive = None
         if mask is not None:  # 1 = masked -> mask_value added to those keys' scores
             additive = (mask.to(hidden.dtype) * self.options.mask_value)[:, None, None, :]
+        if self.options.fp32_residual_addition:
+            hidden = hidden.float()  # the residual stream is fp32 from the embeddings on
         return self.transformer((self.embedding_dropout(hidden), additive))[0]
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -119,9 +119,29 @@ def _rotary(x: torch.Tensor, dim: int, base: float, neox: bool) -> torch.Tensor:
 
 
 def _residual_add(x: torch.Tensor, residual: torch.Tensor, in_fp32: bool) -> torch.Tensor:
-    if in_fp32 and x.dtype != torch.float32:
-        return (x.float() + residual.float()).to(x.dtype)
+    """``x + residual``; ``in_fp32`` (``fp32_residual_addition``): in fp32, and the residual stream stays
+    fp32 between layers (Megatron's fp32 residual connection: a 16-bit stream would round after every
+    layer and overflow fp16's range)."""
+    if in_fp32:
+        return x.float() + residual.float()
     return x + residual
+
+
+def _compute(hidden: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The residual stream in the layer's parameter dtype (a no-op unless the stream is fp32 and the layer
+    16-bit, with ``fp32_residual_addition``)."""
+    return hidden.to(like.dtype)
+
+
+def norm(layernorm: torch.nn.LayerNorm, hidden: torch.Tensor) -> torch.Tensor:
+    """``layernorm(hidden)``; an fp32 residual stream in front of a 16-bit layer norm is normalised in fp32
+    (its values may exceed the 16-bit range) and the result cast to the layer's dtype."""
+    weight = layernorm.weight
+    if hidden.dtype == weight.dtype:
+        return layernorm(hidden)
+    bias = None if layernorm.bias is None else layernorm.bias.float()
+    return F.layer_norm(hidden.float(), layernorm.normalized_shape, weight.float(), bias,
+                        layernorm.eps).to(weight.dtype)
 
 
 def _split_inputs(where: str, inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -175,7 +195,7 @@ class DistributedAttentionLayer(RegionModule):
 
     def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         o = self.options
-        x = self.layernorm(hidden) if self.pre_layernorm else hidden
+        x = norm(self.layernorm, hidden) if self.pre_layernorm else _compute(hidden, self.layernorm.weight)
         q, k, v = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
         if o.rotary_dim:
             q, k = (_rotary(t, o.rotary_dim, o.rotary_emb_base, o.gpt_neox_type_rotary) for t in (q, k))
@@ -199,7 +219,7 @@ class DistributedAttentionLayer(RegionModule):
         if o.parallel_attn_output:
             return out  # the layer adds attention, MLP and residual together
         out = _residual_add(out, hidden, o.fp32_residual_addition)
-        return out if self.pre_layernorm else self.layernorm(out)
+        return out if self.pre_layernorm else norm(self.layernorm, out)
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -232,12 +252,13 @@ class DistributedTransformerOutputLayer(RegionModule):
         return self._region(self._forward, hidden)
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = self.layernorm(hidden) if self.pre_layernorm and self.layernorm is not None else hidden
+        x = norm(self.layernorm, hidden) if self.pre_layernorm and self.layernorm is not None else \
+            _compute(hidden, self.dense1.weight)
         x = self.dropout(self.dense2(_ACTIVATIONS[self.activation](self.dense1(x))))
         if self.options.parallel_attn_output:
             return x
         out = _residual_add(x, hidden, self.options.fp32_residual_addition)
-        return out if self.pre_layernorm else self.layernorm(out)
+        return out if self.pre_layernorm else norm(self.layernorm, out)
 
 
 class DistributedTransformerLayer(RegionModule):
@@ -262,6 +283,7 @@ class DistributedTransformerLayer(RegionModule):
             hidden_size, intermediate_size, hidden_dropout_prob, activation,
             fp32_residual_addition=fp32_residual, **common, **extras)
         self.parallel = bool(extras.get("parallel_attn_output", False))
+        self.fp32_residual = fp32_residual
         if bool(extras.get("single_pre_layernorm", False)) and not self.parallel:
             raise SMPUnsupportedError("smp.nn.DistributedTransformerLayer(single_pre_layernorm=True) is implemented "
                                       "with parallel_attn_output=True only (GPT-J)")
@@ -276,7 +298,9 @@ class DistributedTransformerLayer(RegionModule):
 
     def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.parallel:  # GPT-NeoX: x + attention(LN1(x)) + MLP(LN2(x)); GPT-J: one LN for both
-            mlp_in = self.attention.layernorm(hidden) if self.output.layernorm is None else hidden
-            return self.output(mlp_in) + self.attention((hidden, mask)) + hidden, mask
+            mlp_in = norm(self.attention.layernorm, hidden) if self.output.layernorm is None else hidden
+            mlp = self.output(mlp_in)
+            attention = self.attention((hidden, mask))
+            return _residual_add(mlp + attention, hidden, self.fp32_residual), mask
         return self.output(self.attention((hidden, mask))), mask
 

@@ -1,8 +1,10 @@
 """``smp2ds explain FILE``: what happens to every key, and what the layout costs per rank.
 
 Prints the key-fate table (key, value, fate, target pointer or reason), the plan's topology and
-remarks, then the per-rank model-state memory and the communication volume per optimizer step
-computed by ``smp2ds.translator.estimate.estimate`` for ``--params`` parameters.
+remarks, for configurations that set ``tensor_parallel_degree`` the fate of each distributed-transformer
+setting scripts pass to ``smp.model_creation`` (``translator/transformer_options.py``), then the
+per-rank model-state memory and the communication volume per optimizer step computed by
+``smp2ds.translator.estimate.estimate`` for ``--params`` parameters.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import re
 from typing import Any
 
+from .. import transformer_options
 from . import (
     EXIT_OK,
     add_file_arg,
@@ -94,6 +97,7 @@ def explain_command(args: argparse.Namespace) -> int:
     params = args.params or (split.n_params if split else None)
     estimate = _estimate(result, params, "--model" if split and not args.params else None)
     tp_traffic = _tp_traffic(args, result) if args.model else None
+    transformer = any(n.key == "tensor_parallel_degree" for n in result.notes)
     if args.scale:
         from . import scale, source_name
 
@@ -114,6 +118,7 @@ def explain_command(args: argparse.Namespace) -> int:
                     "estimate": estimate,
                     **({"pipeline_split": split.plan.to_dict(), "model": split.architecture} if split else {}),
                     **({"tensor_parallel_traffic": tp_traffic} if tp_traffic else {}),
+                    **({"transformer_options": transformer_options.options_json()} if transformer else {}),
                 }
             )
         )
@@ -124,6 +129,7 @@ def explain_command(args: argparse.Namespace) -> int:
         report.render_remarks(result.remarks),
         _split_text(split) if split else "",
         _tp_text(tp_traffic) if tp_traffic else "",
+        _transformer_text() if transformer else "",
         report.render_estimate_text(estimate)
         + ("" if params else "(no --params given: figures are for 1e9 parameters and scale linearly)\n"),
     ]
@@ -215,6 +221,14 @@ def _tp_text(t: dict[str, Any]) -> str:
             "and step\n"
             f"  ring bytes per rank {t['ring_bytes_per_rank_per_step'] / mib:,.2f} MiB per step "
             f"({t['layers']} layers)\n")
+
+
+def _transformer_text() -> str:
+    from . import report
+
+    return ("distributed transformer settings (smp.model_creation / smp.tensor_parallelism keywords, "
+            "smp.nn.DistributedTransformer* arguments):\n"
+            + report.table(["setting", "fate", "what the engine does"], transformer_options.option_rows()))
 
 
 def _split_text(split: Any) -> str:
