@@ -63,7 +63,8 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
         "tests/engine/test_activation_offload.py::test_horizon_comes_from_the_running_plan"),
     "tensor_parallel_degree": (
         "tests/engine/test_tensor_parallel_dist.py::test_tp2_trains_hugging_face_families_and_an_smp_mlp_like_single_process",
-        "tests/engine/test_tensor_parallel_dist.py::test_tp2_rdp2_and_tp4_on_four_ranks_match_single_process"),
+        "tests/engine/test_tensor_parallel_dist.py::test_tp2_rdp2_and_tp4_on_four_ranks_match_single_process",
+        "tests/engine/test_tp_pipeline_dist.py::test_pp2_tp2_trains_gpt2_bert_llama_and_an_smp_mlp_like_single_process"),
     "tensor_parallel_seed": (
         "tests/engine/test_tensor_parallel_dist.py::test_tp2_trains_hugging_face_families_and_an_smp_mlp_like_single_process",),
     "prescaled_batch": ("tests/engine/test_tensor_parallel_dist.py::test_tp2_rdp2_and_tp4_on_four_ranks_match_single_process",
@@ -104,7 +105,9 @@ def test_named_evidence_exists(key):
             assert func in _functions(file), f"{key}: {path} has no test {func}"
 
 
-def test_unsupported_tensor_parallelism_is_reported_as_such_for_the_175b_seed():
+def test_the_175b_seed_shows_tensor_8_by_pipeline_8_as_run_by_the_engine():
+    """The seed's layout (tensor 8 x pipeline 8) is what the engine runs; the evidence is pp 2 x tp 2
+    (tests/engine/test_tp_pipeline_dist.py), the same code path at a smaller degree."""
     import json
 
     from smp2ds.translator import normalize, plan
@@ -112,9 +115,12 @@ def test_unsupported_tensor_parallelism_is_reported_as_such_for_the_175b_seed():
 
     spec = json.loads((ROOT / "examples/configs").joinpath(_seed_175b()).read_text())
     config = normalize(spec)
-    notes = {n.key: n for n in plan(config, Layout()).notes}
-    assert notes["tensor_parallel_degree"].fate == "unsupported"
-    assert "not implemented" in notes["tensor_parallel_degree"].reason
+    result = plan(config, Layout())
+    notes = {n.key: n for n in result.notes}
+    assert notes["tensor_parallel_degree"].fate == "engine"
+    assert notes["pipeline_parallel_degree"].fate == "engine"
+    assert result.engine["tensor_parallel"]["degree"] == 8 and result.engine["tensor_parallel"]["unsupported"] is None
+    assert result.deepspeed["pipeline"]["pipe_partitioned"] is False
 
 
 def _seed_175b() -> str:

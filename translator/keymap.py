@@ -23,7 +23,7 @@ from typing import Any
 
 from .layout import params_pointer
 from .model import Fate, KeyNote, SMPConfig
-from .tensor_parallel import TP_ENGINE, TP_WITH_PIPELINE_UNSUPPORTED, TP_WITH_SDP_UNSUPPORTED, runs
+from .tensor_parallel import TP_ENGINE, TP_WITH_SDP_UNSUPPORTED, runs
 
 Condition = Callable[[Mapping[str, Any], Any], bool]
 
@@ -36,7 +36,6 @@ CONDITIONS: dict[str, Condition] = {
     "pipeline": lambda p, v: p.get("pipeline_parallel_degree", 1) > 1,
     "forward_only": lambda p, v: p.get("pipeline_parallel_degree", 1) > 1 and v == "_only_forward",
     "tp": lambda p, v: p.get("tensor_parallel_degree", 1) > 1,
-    "tp_pipeline": lambda p, v: p.get("tensor_parallel_degree", 1) > 1 and p.get("pipeline_parallel_degree", 1) > 1,
     "tp_sdp": lambda p, v: p.get("tensor_parallel_degree", 1) > 1 and p.get("sharded_data_parallel_degree", 1) > 1
     and not p.get("prescaled_batch", False),
     "tp_runs": lambda p, v: runs(p),
@@ -75,7 +74,6 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
     "pipeline_parallel_degree": _PP_RULES,
     "partitions": _PP_RULES,
     "tensor_parallel_degree": (
-        _r("unsupported", None, TP_WITH_PIPELINE_UNSUPPORTED, "tp_pipeline"),
         _r("unsupported", None, TP_WITH_SDP_UNSUPPORTED, "tp_sdp"),
         _r("engine", "/engine/tensor_parallel/degree", TP_ENGINE, "tp"),
         _r("ignored", None, "1 = no tensor parallelism; nothing to emit"),

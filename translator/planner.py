@@ -196,10 +196,13 @@ def _deepspeed(params: Mapping[str, Any], batch: BatchPlan) -> dict[str, Any]:
     ds["activation_checkpointing"] = activation_block(params)
     if params["pipeline_parallel_degree"] > 1:
         # The only keys DeepSpeed's PipelineEngine reads; stages/partition come from PipelineModule.
+        # Partitioning activations over the model (tensor-parallel) axis between stages assumes the
+        # group holds identical activations; with SMP's prescaled_batch false each rank's are its own.
+        split = params.get("tensor_parallel_degree", 1) == 1
         ds["pipeline"] = {
             "activation_checkpoint_interval": 0,
-            "pipe_partitioned": True,
-            "grad_partitioned": True,
+            "pipe_partitioned": split,
+            "grad_partitioned": split,
             "use_reentrant": True,
         }
     tp_block = tensor_parallel_block(params)

@@ -2,10 +2,12 @@
 
 The engine runs its own Megatron-style sharding (``smp2ds.engine.tensor_parallel``): column- and
 row-parallel layers made in place from the model's own modules, with DeepSpeed running data
-parallelism over the reduced-data-parallel group. Two combinations are not implemented and are
-refused (the keymap's reason and ``smp.init``'s message): tensor parallelism with pipeline
-stages, and with sharded data parallelism. The DeepSpeed ``tensor_parallel`` (AutoTP) block
-stays empty: the engine's sharding is not DeepSpeed's AutoTP.
+parallelism over the reduced-data-parallel group and, with ``pipeline_parallel_degree`` > 1, the
+pipeline stages (its topology's model axis is the tensor-parallel group), or ZeRO-3 / MiCS over
+shard groups with ``sharded_data_parallel_degree`` > 1. One combination is not implemented and is
+refused (the keymap's reason and ``smp.init``'s message): tensor parallelism with sharded data
+parallelism and ``prescaled_batch: false``. The DeepSpeed ``tensor_parallel`` (AutoTP) block stays empty: the
+engine's sharding is not DeepSpeed's AutoTP.
 """
 
 from __future__ import annotations
@@ -17,11 +19,8 @@ TP_ENGINE = (
     "Megatron-style tensor parallelism by the smp2ds engine: modules marked with smp.tensor_parallelism / "
     "model_creation(tensor_parallelism=True) are sharded in place (column/row-parallel linears, Hugging Face "
     "blocks by structure, smp.nn.DistributedLinear/DistributedEmbedding); DeepSpeed runs data parallelism over "
-    "the reduced-data-parallel group through an mpu whose model-parallel group is the tensor-parallel group"
-)
-TP_WITH_PIPELINE_UNSUPPORTED = (
-    "tensor parallelism combined with pipeline_parallel_degree > 1 is not implemented by smp2ds yet; use "
-    "tensor_parallel_degree 1 with pipelines, or pipeline_parallel_degree 1 with tensor parallelism"
+    "the reduced-data-parallel group through an mpu whose model-parallel group is the tensor-parallel group, and "
+    "pipeline stages (pipeline_parallel_degree > 1) on a topology whose model axis is the tensor-parallel group"
 )
 TP_WITH_SDP_UNSUPPORTED = (
     "tensor parallelism combined with sharded_data_parallel_degree > 1 needs prescaled_batch: true (SMP 1.15's "
@@ -35,8 +34,6 @@ def refusal(params: Mapping[str, Any]) -> str | None:
     """Why this tensor-parallel layout is refused, or None when the engine runs it."""
     if params.get("tensor_parallel_degree", 1) <= 1:
         return None
-    if params.get("pipeline_parallel_degree", 1) > 1:
-        return TP_WITH_PIPELINE_UNSUPPORTED
     if params.get("sharded_data_parallel_degree", 1) > 1 and not params.get("prescaled_batch", False):
         return TP_WITH_SDP_UNSUPPORTED
     return None

@@ -26,6 +26,7 @@ class PipelineBackend(DataParallelBackend):
     def __init__(self, module: Any, *, state: Any, microbatches: int):
         # Not DataParallelBackend.__init__: the engine and optimizer live in the runner.
         from smp2ds.engine import pipeline
+        from smp2ds.engine.tensor_parallel import stages as tp_stages
 
         self.module = module
         self.plan_ds = dict(state.plan.deepspeed)
@@ -33,7 +34,9 @@ class PipelineBackend(DataParallelBackend):
         self.microbatches = microbatches
         self.has_optimizer = False
         self._clip_restore = None
+        self.tp = tp_stages.shard_before_stages(module)  # tensor_parallel_degree > 1: shard, then cut
         self.runner = pipeline.build_pipeline(module, state.plan, state.groups.topology)
+        tp_stages.attach(self.runner, self.tp)
         self._state = state
         self._calls = 0
 
@@ -108,8 +111,12 @@ class PipelineBackend(DataParallelBackend):
         if self.zero_stage >= 1:
             return super().grad_norm(norm_type)
         # A tied weight (GPT-2's wte/lm_head) has a copy with the full gradient on two stages: count it once.
-        grads = [p.grad.detach().float() for _, p in self.runner.local_named_parameters(include_replicas=False)
-                 if p.grad is not None]
+        params = [p for _, p in self.runner.local_named_parameters(include_replicas=False)]
+        if self.tp.size > 1:
+            from smp2ds.engine.tensor_parallel.stages import stage_grad_norm
+
+            return stage_grad_norm(params, self.tp, self._state.groups.group("pp"), norm_type) / self.loss_scale
+        grads = [p.grad.detach().float() for p in params if p.grad is not None]
         local = sum((torch.linalg.vector_norm(g, 2) ** 2 for g in grads), torch.tensor(0.0))
         comm.all_reduce(local, group=self._state.groups.group("pp"))
         return local.sqrt() / self.loss_scale

@@ -1,7 +1,8 @@
 """Symbolic tracing of any ``nn.Module`` with ``torch.fx``, for the traced pipeline path.
 
 `trace_model` returns the model's forward as one flat fx graph: calls of ``torch.nn`` leaf
-modules (``nn.Linear``, ``nn.Conv2d``...), reads of parameters and buffers, and the operations
+modules (``nn.Linear``, ``nn.Conv2d``..., and tensor-parallel modules, whose collectives stay
+inside them), reads of parameters and buffers, and the operations
 between them; custom modules (``GroupedNet`` -> ``net1`` -> ``net2``) are traced through.
 
 Arguments without a default are the graph's inputs (tensors at call time); arguments with a
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+
+from smp2ds.engine.tensor_parallel.group import is_tensor_parallel
 
 _ASSERTS = {torch._assert, operator.eq, getattr(fx._symbolic_trace, "_assert_is_none", None)} - {None}
 
@@ -52,6 +55,10 @@ class _PathTracer(fx.Tracer):
     def __init__(self) -> None:
         super().__init__()
         self.failed_in: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        # Tensor-parallel modules run collectives inside: a stage calls them whole.
+        return is_tensor_parallel(m) or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         try:

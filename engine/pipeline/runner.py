@@ -102,6 +102,13 @@ class PipelineRunner:
         self._mode: str | None = None
         self._shape_key: Any = None
         self.last_losses: list[torch.Tensor | None] = []
+        self.before_reduce: Callable[[list[nn.Parameter]], None] | None = None
+        """Called with this stage's parameters before the gradient reductions of a step (tensor
+        parallelism combines the group's per-rank gradients there)."""
+        self.full_tensor: state.TensorMap | None = None
+        """Maps a local tensor to the whole one in ``state_dict()`` (tensor-parallel shards)."""
+        self.local_part: state.CutMap | None = None
+        """Cuts a loaded value to this rank's part in ``load_state_dict`` (tensor-parallel shards)."""
 
     # ---- what DistributedModel delegates to ---------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -281,15 +288,17 @@ class PipelineRunner:
                    train_batch_size=micro * self.settings.microbatches * self.topology.rdp)
         cfg.setdefault("steps_per_print", 2 ** 31 - 1)
         self.engine, *_ = deepspeed.initialize(model=self.module, optimizer=self._optimizer, config=cfg)
-        self._route_losses_by_buffer(self.engine)
+        self._wrap_instructions(self.engine)
 
-    def _route_losses_by_buffer(self, engine: Any) -> None:
-        """Make the last stage backpropagate each buffer's own loss.
+    def _wrap_instructions(self, engine: Any) -> None:
+        """Make the last stage backpropagate each buffer's own loss, and run ``before_reduce``.
 
         DeepSpeed's last stage backpropagates ``engine.loss``, the loss of the *latest* forward:
         right for 1F1B (each forward is followed by its backward), wrong for GPipe (all forwards
         first). Wrapping the forward/backward instructions of this engine instance records the
-        loss per pipe buffer and restores it before that buffer's backward.
+        loss per pipe buffer and restores it before that buffer's backward. Every reducing
+        schedule starts its reductions with ``ReduceTiedGrads`` (`schedules`): ``before_reduce``
+        runs just before it.
         """
         from deepspeed.runtime.pipe import schedule as ds_schedule
         from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -307,9 +316,15 @@ class PipelineRunner:
                 eng.loss = by_buffer.pop(buffer_id)
             PipelineEngine._exec_backward_pass(eng, buffer_id)
 
+        def reduce_tied(eng: Any) -> None:
+            if runner.before_reduce is not None:
+                runner.before_reduce(list(runner.module.parameters()))
+            PipelineEngine._exec_reduce_tied_grads(eng)
+
         table = dict(type(engine)._INSTRUCTION_MAP)
         table[ds_schedule.ForwardPass] = forward
         table[ds_schedule.BackwardPass] = backward
+        table[ds_schedule.ReduceTiedGrads] = reduce_tied
         engine._INSTRUCTION_MAP = table  # instance attribute: shadows the class table for this engine only
 
     def _reset_shapes_if_changed(self, micro_calls: Sequence[MicroCall]) -> None:
@@ -326,13 +341,15 @@ class PipelineRunner:
         return state.local_state_dict(self._names, self.module)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model (every stage's part) on every rank of this pipeline; collective over it."""
-        parts = collectives.all_gather_objects(self.local_state_dict(), self.module.mpu().get_pipe_parallel_group())
+        """The full model (every stage's part) on every rank of this pipeline; collective over it
+        (and over the tensor-parallel group when ``full_tensor`` joins shards)."""
+        local = state.local_state_dict(self._names, self.module, self.full_tensor)
+        parts = collectives.all_gather_objects(local, self.module.mpu().get_pipe_parallel_group())
         return state.merge(parts)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> list[str]:
         """Load the entries this stage holds (from a full or a per-stage dict); keys loaded."""
-        loaded = state.load_local(self._names, self.module, state_dict, strict=strict)
+        loaded = state.load_local(self._names, self.module, state_dict, strict=strict, cut=self.local_part)
         opt = self.engine.optimizer if self.engine is not None else None
         if opt is not None and hasattr(opt, "refresh_fp32_params"):
             opt.refresh_fp32_params()  # ZeRO keeps fp32 master copies of the weights

@@ -10,11 +10,16 @@ weight has every key the original ``state_dict`` lists for it (``transformer.wte
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+TensorMap = Callable[[torch.Tensor], torch.Tensor]
+"""A stage tensor -> the tensor a full state dict holds for it (e.g. tensor-parallel shards joined)."""
+CutMap = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(stage tensor, loaded value) -> the part of the value this rank holds."""
 
 
 class StateNames:
@@ -59,9 +64,15 @@ class StateNames:
                         yield key, tensor
 
 
-def local_state_dict(names: StateNames, stage_module: nn.Module) -> dict[str, torch.Tensor]:
-    """This stage's tensors under their original keys (detached CPU copies)."""
-    return {key: t.detach().cpu().clone() for key, t in names.local_tensors(stage_module)}
+def local_state_dict(names: StateNames, stage_module: nn.Module,
+                     full: TensorMap | None = None) -> dict[str, torch.Tensor]:
+    """This stage's tensors under their original keys (detached CPU copies); ``full`` maps each
+    tensor first (collective when it joins tensor-parallel shards: every rank calls it in the
+    same order)."""
+    out = {}
+    for key, t in names.local_tensors(stage_module):
+        out[key] = (full(t) if full is not None else t).detach().cpu().clone()
+    return out
 
 
 def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -74,11 +85,13 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def load_local(names: StateNames, stage_module: nn.Module, state: dict[str, Any], strict: bool = True) -> list[str]:
+def load_local(names: StateNames, stage_module: nn.Module, state: dict[str, Any], strict: bool = True,
+               cut: CutMap | None = None) -> list[str]:
     """Copy the entries of ``state`` this stage holds into its tensors; return the keys loaded.
 
     ``strict``: every key this stage holds must be present, and no key may be unknown to the
-    original model (keys of other stages are fine: they are loaded there).
+    original model (keys of other stages are fine: they are loaded there). ``cut`` picks this
+    rank's part of a loaded value (a full tensor for a tensor-parallel shard).
     """
     local = dict(names.local_tensors(stage_module))
     if strict:
@@ -91,6 +104,9 @@ def load_local(names: StateNames, stage_module: nn.Module, state: dict[str, Any]
     loaded = []
     for key, tensor in local.items():
         if key in state:
-            tensor.copy_(torch.as_tensor(state[key]).to(device=tensor.device, dtype=tensor.dtype))
+            value = torch.as_tensor(state[key])
+            if cut is not None:
+                value = cut(tensor, value)
+            tensor.copy_(value.to(device=tensor.device, dtype=tensor.dtype))
             loaded.append(key)
     return loaded

@@ -23,7 +23,7 @@ from smp2ds.engine.tensor_parallel import grads, registry
 from smp2ds.engine.tensor_parallel.group import current
 from smp2ds.engine.tensor_parallel.mpu import TensorParallelMPU
 from smp2ds.engine.tensor_parallel.region import first_tensor
-from smp2ds.engine.tensor_parallel.shards import full_tensor, spec_of
+from smp2ds.engine.tensor_parallel.shards import full_tensor, local_part, spec_of
 
 
 class TensorParallelBackend(DataParallelBackend):
@@ -107,10 +107,8 @@ class TensorParallelBackend(DataParallelBackend):
         cut = {}
         for key, value in sd.items():
             target = own.get(key)
-            spec = spec_of(target) if isinstance(target, torch.Tensor) else None
-            if spec is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == spec.full_shape \
-                    and tuple(value.shape) != tuple(target.shape):
-                value = spec.local(value, self.tp.rank)
+            if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
+                value = local_part(target, value, self.tp)
             cut[key] = value
         return self.module.load_state_dict(cut, strict=strict)
 

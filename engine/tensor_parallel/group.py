@@ -37,3 +37,13 @@ def current() -> TPGroup:
     return TPGroup(handle=state.groups.group("tp"), rank=state.groups.coords.tp_rank,
                    size=state.groups.topology.tp, ranks=tuple(state.groups.ranks["tp"]),
                    prescaled_batch=bool(tp["prescaled_batch"]))
+
+
+def is_tensor_parallel(module: Any) -> bool:
+    """True for a module whose forward runs collectives over a tensor-parallel group (a region, a
+    sharded layer or an ``smp.nn`` distributed module at degree > 1): tracing keeps it whole."""
+    for attr in ("_smp2ds_tp", "tp"):
+        group = module.__dict__.get(attr)
+        if isinstance(group, TPGroup) and group.size > 1:
+            return True
+    return False

@@ -69,3 +69,12 @@ def full_tensor(local: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     if spec is None or tp.size == 1:
         return local
     return spec.join(comm.all_gather(local.detach(), group=tp.handle))
+
+
+def local_part(target: torch.Tensor, value: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """``value`` as ``target`` holds it: a full tensor loaded into a shard is cut to this rank's
+    piece; anything else (a shard, a replicated tensor) passes unchanged."""
+    spec = spec_of(target)
+    if spec is not None and tuple(value.shape) == spec.full_shape and tuple(value.shape) != tuple(target.shape):
+        return spec.local(value, tp.rank)
+    return value

@@ -264,9 +264,12 @@ def test_pipeline_and_tensor_parallel_blocks_only_when_used():
     assert tp.fate == "engine" and tp.target == "/engine/tensor_parallel/degree"
     with_pp = notes_by_key(make({"partitions": 2, "tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": True,
                                  "tensor_parallel_seed": 3}, 4))
-    assert with_pp["tensor_parallel_degree"].fate == "unsupported"
-    assert "pipeline_parallel_degree > 1 is not implemented" in with_pp["tensor_parallel_degree"].reason
-    assert with_pp["prescaled_batch"].fate == with_pp["tensor_parallel_seed"].fate == "ignored"
+    assert with_pp["tensor_parallel_degree"].fate == "engine"
+    assert with_pp["prescaled_batch"].fate == with_pp["tensor_parallel_seed"].fate == "engine"
+    # each tensor-parallel rank's activations are its own: DeepSpeed must not split them over the group
+    assert both["pipeline"]["pipe_partitioned"] is both["pipeline"]["grad_partitioned"] is False
+    alone = make({"partitions": 2, "ddp": True}, 2).deepspeed["pipeline"]
+    assert alone["pipe_partitioned"] is alone["grad_partitioned"] is True
 
 
 def test_offload_activations_is_run_by_the_engine_with_its_horizon():
