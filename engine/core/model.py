@@ -233,8 +233,15 @@ class DistributedModel(torch.nn.Module):
         keep_vars: bool = False,
         scaled_batch_only: bool = False,
     ) -> dict[str, Any]:
-        """What this rank holds, marked ``_smp_is_partial`` (SMP's per-rank checkpoint format)."""
+        """What this rank holds, marked ``_smp_is_partial`` (SMP's per-rank checkpoint format);
+        ``scaled_batch_only``: only the scaled-batch parameters and buffers (see ``is_scaled_batch_*``)."""
         sd = self.backend.local_state_dict(prefix=prefix, keep_vars=keep_vars)
+        if scaled_batch_only:
+            tp = int(state.cfg.tensor_parallel_degree)
+            scaled = {prefix + n for n, _ in self.scaled_batch_reducer_named_parameters()} | {
+                prefix + n for n, b in self.module.named_buffers()
+                if id(b) in introspect.scaled_batch_buffers(self.module, tp)}
+            sd = {k: v for k, v in sd.items() if k in scaled}
         sd = model_io.to_cpu(sd) if cast_to_cpu else dict(sd)
         sd["_smp_is_partial"] = True
         sd["_smp_load_info"] = {

@@ -46,6 +46,7 @@ def test_tp_helpers_answer_from_the_sharding_on_gpt2(tp2):
         names = sorted(k for k in g["weights"] if k != "lm_head.weight")  # tied to wte: one parameter
         assert sorted(g["default_reducer"] + g["scaled_reducer"]) == names
         assert g["scaled_reducer"] == g["scaled"] == [n for n in names if n.startswith("transformer.h.")]
+        assert g["scaled_state"] == [k for k in sorted(g["weights"]) if k.startswith("transformer.h.")]
         assert g["default_reducer"] == ["transformer.ln_f.bias", "transformer.ln_f.weight", "transformer.wpe.weight",
                                         "transformer.wte.weight"]
         # every module holding a shard is a distributed module; the blocks are too; embeddings are not
@@ -86,7 +87,7 @@ def test_user_registrations_are_replaced_with_hooks_and_train_like_single_proces
         assert u["local"]["ffn.fc1.weight"] == (16, 16) and u["local"]["mix.proj.weight"] == (8, 16)
         assert u["distributed"] == u["split"] == ["ffn.fc1.bias", "ffn.fc1.weight", "ffn.fc2.bias", "ffn.fc2.weight",
                                                   "mix.proj.bias", "mix.proj.weight"]
-        assert u["scaled_reducer"] == u["distributed"]
+        assert u["scaled_reducer"] == u["distributed"] == u["scaled_state"]  # local_state_dict(scaled_batch_only)
         assert u["default_reducer"] == ["emb.weight", "head.bias", "head.weight"]
         assert set(u["modules"]) == {"ffn", "ffn.fc1", "ffn.fc2", "mix", "mix.proj"}
         # the registered module's buffer is scaled-batch, the model's own is not; no buffer is split

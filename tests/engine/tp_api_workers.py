@@ -161,6 +161,7 @@ def _introspect(model: Any) -> dict:
         "default_reducer": sorted(n for n, _ in model.default_reducer_named_parameters()),
         "scaled_reducer": sorted(n for n, _ in model.scaled_batch_reducer_named_parameters()),
         "buffers": {n: (model.is_distributed_buffer(b), model.is_scaled_batch_buffer(b)) for n, b in buffers.items()},
+        "scaled_state": sorted(k for k in model.local_state_dict(scaled_batch_only=True) if not k.startswith("_smp")),
         "holders": sorted(names[id(m)] for m in model.module.modules()
                           if any(model.is_distributed_parameter(p) for p in m.parameters(recurse=False))),
     }
