@@ -18,7 +18,7 @@ rank's, from a barrier to the end of ``optimizer.step()``; medians over all meas
 * CPU ratio = CPU seconds per rank and step (process time, gloo threads included), tp2xdp2 / tp2:
   the same comparison without the scheduler's say, so other jobs on the machine barely move it.
 
-    python bench/tp_step_time.py [--rounds 2] [--steps 8] [--layers 2] [--hidden 256] [--seq 64] [--batch 8]
+    python bench/tp_step_time.py [--rounds 1] [--steps 8] [--layers 2] [--hidden 256] [--seq 64] [--batch 8]
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _launch(world: int, args: argparse.Namespace) -> dict[str, list[float]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2, help="launches of each layout, alternating")
+    parser.add_argument("--rounds", type=int, default=1, help="launches of each layout, alternating")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per launch")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)
