@@ -110,7 +110,7 @@ def main() -> int:
               f"({got['all_reduce_calls'] // args.layers} calls/layer), Megatron formula {formula:,} B "
               f"-> ratio {ratio:.3f}; batch join (all-gather) {got['all_gather'] / args.layers:,.0f} B/layer/step"
               + (f"; other collectives: {got['other']}" if got["other"] else ""))
-    print(f"largest deviation from the formula: {worst:.1%} (target <= 5%)")
+    print(f"{'PASS' if worst <= 0.05 else 'FAIL'}  largest deviation from the formula: {worst:.1%} (target <= 5%)")
     return 0 if worst <= 0.05 else 1
 
 
