@@ -29,7 +29,7 @@ from torch import nn
 from smp2ds.engine.exceptions import SMPUnsupportedError
 
 SUPPORTED = ("torch.nn.Sequential", "transformers GPT2LMHeadModel", "transformers BertForSequenceClassification",
-             "transformers BertForMaskedLM", "transformers LlamaForCausalLM")
+             "transformers BertForMaskedLM", "transformers LlamaForCausalLM", "smp.nn.DistributedTransformerLMHead")
 
 
 class UnsupportedModelError(SMPUnsupportedError, TypeError):

@@ -81,7 +81,10 @@ def _replace(module: torch.nn.Module, owner: torch.nn.Module | None, owners: lis
             registry.sync_replicas(owner or module, tp)  # every rank of the group takes tp rank 0's weights
         if owner is not None and owner is not module and owner not in owners:
             owners.append(owner)
-        return _BUILDERS[kind](module)
+        from smp2ds.engine.tensor_parallel.sharded_data import whole
+
+        with whole(owner or module):  # parameters born partitioned (sdp, delayed init) are read whole
+            return _BUILDERS[kind](module)
     for name, child in list(module.named_children()):
         new = _replace(child, owner, owners)
         if new is not child:
@@ -92,8 +95,10 @@ def _replace(module: torch.nn.Module, owner: torch.nn.Module | None, owners: lis
 def _refuse_pipeline(kind: str) -> None:
     from smp2ds.engine.core.state import state
 
-    if state.initialized and int(state.cfg.pipeline_parallel_degree) > 1:
-        target = "DistributedTransformer" if kind.endswith("Encoder") else "DistributedTransformerLMHead"
+    # DistributedTransformerLMHead has a pipeline layer list (engine/pipeline/families/smp_transformer.py);
+    # a replaced encoder sits inside a Hugging Face model whose layer list expects the original encoder.
+    if state.initialized and int(state.cfg.pipeline_parallel_degree) > 1 and kind.endswith("Encoder"):
+        target = "DistributedTransformer"
         raise SMPUnsupportedError(
             f"{kind} replaced by smp.nn.{target} with pipeline_parallel_degree "
             f"{state.cfg.pipeline_parallel_degree}: pipelining the distributed transformer is not implemented; use "

@@ -1,7 +1,8 @@
 """``gpt2_transformer/train_gpt_simple.py``, written like SMP's GPT-2 example (distributed transformer
 through ``model_creation(tensor_parallelism=True, ...)``, ``seq_layers`` partition assignment,
 activation checkpointing of ``.attention`` / ``.output``, translate functions for checkpoints), runs
-unchanged under ``torchrun`` at tensor_parallel_degree 1 (2 data-parallel ranks) and 2, and equals
+unchanged under ``torchrun`` at tensor_parallel_degree 1 (2 data-parallel ranks), 2, and 2 with
+pipeline_parallel_degree 2 (4 ranks: the distributed transformer cut into stages), and equals
 single-process Hugging Face GPT-2 training from the same starting weights (losses per rank and the
 final weights, rtol 1e-4); the checkpoint it writes in Hugging Face's names loads into a plain
 ``GPT2LMHeadModel`` and gives the distributed model's logits."""
@@ -51,18 +52,20 @@ def _reference(script, init: dict, ranks: int) -> tuple[list[list[float]], dict]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-def test_smp_gpt2_transformer_script_runs_unchanged_and_matches_hugging_face(tp, tmp_path):
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2)])
+def test_smp_gpt2_transformer_script_runs_unchanged_and_matches_hugging_face(tp, pp, tmp_path):
     script = _script()
     torch.manual_seed(31)
     init = script.GPT2LMHeadModel(script.model_config()).state_dict()
     torch.save(init, tmp_path / "init.pt")
-    args = ["--tensor-parallel-degree", str(tp), "--steps", str(STEPS), "--train-batch-size", str(B),
-            "--init-from", str(tmp_path / "init.pt"), "--adam-eps", str(EPS), "--checkpoint-dir", str(tmp_path)]
-    reports = run_torchrun(SCRIPT, 2, args, timeout_s=400)
+    args = ["--tensor-parallel-degree", str(tp), "--pipeline-parallel-degree", str(pp), "--steps", str(STEPS),
+            "--train-batch-size", str(B), "--init-from", str(tmp_path / "init.pt"), "--adam-eps", str(EPS),
+            "--checkpoint-dir", str(tmp_path)]
+    reports = run_torchrun(SCRIPT, 2 * pp, args, timeout_s=400)
     losses, weights = _reference(script, init, 2)
+    assert sorted(rep["dp_rank"] for rep in reports) == sorted([0, 1] * pp)  # 2 data-parallel ranks per stage
     for rep in reports:
-        assert rep["class"] == "DistributedTransformerLMHead" and rep["tp"][1] == tp
+        assert rep["class"] == "DistributedTransformerLMHead" and rep["tp"][1] == tp and rep["pp"][1] == pp
         np.testing.assert_allclose(rep["losses"], [s[rep["dp_rank"]] for s in losses], rtol=1e-4, atol=1e-6)
         assert set(rep["weights"]) == set(weights)
         for key, want in weights.items():

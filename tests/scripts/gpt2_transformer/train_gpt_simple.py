@@ -74,6 +74,11 @@ def train_step(model, input_ids, attention_mask):
     return loss
 
 
+@smp.step
+def logits_step(model, input_ids):
+    return model(input_ids=input_ids).logits
+
+
 def main():
     args = parse_args()
     smp.init({"ddp": True, "tensor_parallel_degree": args.tensor_parallel_degree,
@@ -118,6 +123,7 @@ def main():
 
     hf_dict = translate_state_dict_to_hf_gpt2(model.state_dict(), max_seq_len=SEQ)  # collective under tp
     report = {"rank": smp.rank(), "dp_rank": smp.dp_rank(), "tp": [smp.tp_rank(), smp.tp_size()],
+              "pp": [smp.pp_rank(), smp.pp_size()],
               "class": type(model.get_module()).__name__, "losses": losses,
               "weights": {k: v.float().flatten().tolist() for k, v in hf_dict.items()}}
     if args.checkpoint_dir:
@@ -130,7 +136,7 @@ def main():
         hf.eval()
         model.eval()
         with torch.no_grad():
-            want = model(input_ids=ids[0, rows]).logits
+            want = logits_step(model, ids[0, rows]).concat()
             got = hf(input_ids=ids[0, rows]).logits
         report["checkpoint_logits_max_diff"] = float((got - want).abs().max())
     with open(os.path.join(os.environ["SMP2DS_SCRIPT_OUT"], f"rank{smp.rank()}.json"), "w") as f:
