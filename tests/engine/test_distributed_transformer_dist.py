@@ -96,8 +96,8 @@ def _check_dropout_keeps_replicas_equal(runs: list, initial_hf: dict) -> None:
 
 
 @pytest.mark.slow
-def test_pipeline_parallelism_with_the_distributed_transformer_is_refused_clearly():
+def test_pipeline_parallelism_with_a_replaced_encoder_is_refused_clearly():
     for message in run_ranks(tw.pipeline_refusal, 2):
-        assert message.startswith("SMPUnsupportedError: GPT2LMHeadModel replaced by smp.nn."
-                                  "DistributedTransformerLMHead with pipeline_parallel_degree 2: pipelining the "
-                                  "distributed transformer is not implemented")
+        assert message.startswith("SMPUnsupportedError: BertEncoder replaced by smp.nn."
+                                  "DistributedTransformer with pipeline_parallel_degree 2: pipelining the "
+                                  "distributed transformer is not implemented"), message

@@ -217,12 +217,13 @@ def run(config: dict, phases: list[dict], b: int) -> list[dict]:
 
 
 def pipeline_refusal() -> str:
-    """The message SMP's transformer API gets with pipeline_parallel_degree 2 (not implemented)."""
+    """The message a BERT encoder replaced by SMP's DistributedTransformer gets with
+    pipeline_parallel_degree 2 (not implemented; the causal LM heads are pipelined)."""
     import smdistributed.modelparallel.torch as smp
 
     smp.init({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2})
     with smp.model_creation(tensor_parallelism=True, **SETTINGS):
-        net = hf_gpt2(0)
+        net = hf_bert(0)
     try:
         smp.DistributedModel(net)
     except Exception as exc:  # noqa: BLE001 - the message goes to the test
