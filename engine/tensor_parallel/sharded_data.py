@@ -66,6 +66,22 @@ def is_partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_tensor") for p in module.parameters())
 
 
+@contextlib.contextmanager
+def whole(module: torch.nn.Module) -> Iterator[None]:
+    """``module``'s partitioned parameters gathered whole while the context lasts (every rank of the
+    shard group enters it); nothing happens when none is partitioned. SMP's distributed-transformer
+    replacement reads a Hugging Face model born partitioned through it: this gathers the whole model
+    once, for the time it takes to build the replacement."""
+    params = [p for p in module.parameters() if hasattr(p, "ds_tensor")]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
+
+
 def partitioning(ds_config: Mapping[str, Any], groups: MicsGroups) -> registry.Around:
     """``registry.apply``'s ``around`` for a model born partitioned: inside, the module's parameters
     are gathered whole (one block at a time); on exit the parameters sharding made (this rank's
@@ -78,8 +94,7 @@ def partitioning(ds_config: Mapping[str, Any], groups: MicsGroups) -> registry.A
 
     @contextlib.contextmanager
     def around(module: torch.nn.Module) -> Iterator[None]:
-        params = [p for p in module.parameters() if hasattr(p, "ds_tensor")]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+        with whole(module):
             yield
         if any(not hasattr(p, "ds_tensor") for p in module.parameters()):
             deepspeed.zero.Init(module=module, data_parallel_group=groups.shard_group, config_dict_or_path=cfg,

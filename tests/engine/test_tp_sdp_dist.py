@@ -30,6 +30,9 @@ PHASES = [
     # rank's shards (or counted replicated parameters twice) moves these weights visibly.
     {"model": "gpt2", "optimizer": "sgd", "seed": 23, "steps": 2, "clip": sw.CLIP, "delayed": False,
      "checkpoint": "resume"},
+    # SMP's GPT-2 script path: a distributed-transformer setting replaces GPT2LMHeadModel by
+    # smp.nn.DistributedTransformerLMHead, built from the (born partitioned) Hugging Face weights.
+    {"model": "gpt2", "optimizer": "adamw", "seed": 24, "steps": 3, "clip": sw.CLIP, "transformer": True},
 ]
 ADAMW_ATOL = 3e-5  # as in test_tensor_parallel_dist: AdamW on gradients near 1e-7 moves by ~1e-5 with sum order
 
@@ -44,9 +47,16 @@ def _check_equivalence(rank: int, phase: dict, got: dict, ref: dict) -> None:
     what = f"rank {rank} {phase['model']} (delayed={phase.get('delayed', True)})"
     assert max(ref["norms"]) > phase["clip"], "the test's clipping must clip"
     _close(got["losses"], [step[got["data_rank"]] for step in ref["losses"]], f"{what}: losses")
-    assert sorted(got["weights"]) == sorted(ref["weights"]), f"{what}: state_dict() names"
+    weights = got["weights"]
+    if phase.get("transformer"):  # SMP's names: translated back with SMP's GPT-2 translate function
+        from smp2ds.engine.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
+
+        assert got["module_type"] == "DistributedTransformerLMHead", got["module_type"]
+        tensors = {k: torch.as_tensor(v) for k, v in weights.items()}
+        weights = {k: v for k, v in translate_state_dict_to_hf_gpt2(tensors).items() if k in ref["weights"]}
+    assert sorted(weights) == sorted(ref["weights"]), f"{what}: state_dict() names"
     for key, value in ref["weights"].items():
-        _close(got["weights"][key], value, f"{what}: weight {key}", atol)
+        _close(weights[key], value, f"{what}: weight {key}", atol)
 
 
 def _check_held(rank: int, phase: dict, got: dict) -> tuple[int, int]:
@@ -75,11 +85,16 @@ def test_tp2_sdp2_delayed_init_trains_like_single_process_and_holds_a_quarter():
             got = results[p]
             _check_equivalence(rank, phase, got, ref)
             delayed = phase.get("delayed", True)
-            # Born partitioned: still partitioned once sharded; created whole: partitioned when the engine is built.
-            assert got["after_wrap_partitioned"] == delayed, f"rank {rank}: partitioned after DistributedModel"
+            # Born partitioned: still partitioned once sharded; created whole (or replaced by SMP's transformer,
+            # built from gathered weights): partitioned when the engine is built.
+            partitioned = delayed and not phase.get("transformer")
+            assert got["after_wrap_partitioned"] == partitioned, f"rank {rank}: partitioned after DistributedModel"
             held, full = _check_held(rank, phase, got)
             assert all(got["born_partitioned"]) == delayed, f"rank {rank}: born partitioned {got['born_partitioned']}"
-            if delayed:
+            if phase.get("transformer"):
+                # The replacement reads the Hugging Face model whole once (the limit of this path).
+                assert got["gathered_largest"] == got["model_elements"], got["gathered_largest"]
+            elif delayed:
                 # Sharding gathered at most one block's full-size parameters at a time (GPT-2's blocks are
                 # sharded in place); the MLP's layers are replaced by smp.nn modules and never gathered.
                 assert got["gathered_largest"] < got["model_elements"] / 2, (got["gathered_largest"],

@@ -62,15 +62,17 @@ def _build(smp: Any, phase: dict) -> tuple[Any, torch.nn.Module, dict]:
     if kind == "mlp":
         with smp.tensor_parallelism(), smp.delay_param_initialization(enabled=delayed):
             net = tw.MLP()
-    else:
-        with smp.model_creation(tensor_parallelism=True, zero_init=delayed):
+    else:  # a distributed-transformer setting asks for SMP's replacement (DistributedTransformerLMHead)
+        settings = {"fused_softmax": True} if phase.get("transformer") else {}
+        with smp.model_creation(tensor_parallelism=True, zero_init=delayed, **settings):
             net = tw.hf_model(kind, phase["seed"])
     out["born_partitioned"] = [hasattr(p, "ds_tensor") and p.data.numel() == 0 for p in net.parameters()]
     out["model_elements"] = sum(getattr(p, "ds_numel", p.numel()) for p in net.parameters())
     with _GatherMeter() as meter:
         model = smp.DistributedModel(net)
     out["gathered_largest"], out["gather_calls"] = meter.largest, meter.calls
-    return model, net, out
+    out["module_type"] = type(model.get_module()).__name__
+    return model, model.get_module(), out
 
 
 def _held(net: torch.nn.Module, full: dict) -> dict:
