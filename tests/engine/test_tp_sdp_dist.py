@@ -4,7 +4,8 @@
 batch, parameters are born partitioned over the shard group (inside the rdp group), sharded one block at
 a time, and train like a single process on the union of the rdp ranks' batches (AdamW, 3 steps,
 ``sdp_gradient_clipping`` that clips; losses and full weights, rtol 1e-4). Each rank holds the ZeRO-3
-partition of its tensor-parallel shards: measured per parameter and in total (~1/(tp x sdp) for the
+partition of its tensor-parallel shards (parameters, gradients, fp32 master copy and optimizer state, read
+from DeepSpeed's partitions): measured per parameter and in total (~1/(tp x sdp) for the
 MLP whose every large layer is distributed; GPT-2's embeddings and layer norms stay whole on the
 tensor-parallel group and count at 1/sdp). Partial ``smp.save`` / ``smp.load`` and
 ``save_checkpoint`` / ``resume_from_checkpoint`` round trips resume exactly; a model created whole
@@ -69,7 +70,14 @@ def _check_held(rank: int, phase: dict, got: dict) -> tuple[int, int]:
         assert local in (full, full // TP), f"{name}: tensor-parallel piece {local} of {full}"
         assert mine == sw.expected_held(local, SDP), f"rank {rank} {name}: holds {mine} of its piece {local}"
         assert got["local_shapes"][name] and torch.Size(got["local_shapes"][name]).numel() == local
-    return sum(m for m, _, _ in held.values()), sum(f for _, _, f in held.values())
+    total = sum(m for m, _, _ in held.values())
+    # Gradients, the fp32 master copy and the optimizer state are partitioned like the parameters (flat
+    # buffers may pad to an alignment); AdamW keeps two moments, SGD with momentum one.
+    stats, moments = got["stats"], {"adamw": 2, "sgd": 1}[phase["optimizer"]]
+    assert stats["param_elements"] == total, (stats, total)
+    for key, factor in (("grad_elements", 1), ("master_elements", 1), ("optimizer_state_elements", moments)):
+        assert factor * total <= stats[key] <= factor * (total + 64), (key, stats[key], total)
+    return total, sum(f for _, _, f in held.values())
 
 
 @pytest.mark.slow

@@ -103,6 +103,9 @@ def _train_phase(smp: Any, phase: dict, b: int) -> dict:
         opt.zero_grad()
         out["losses"].append(train_step(model, ids).reduce_mean().item())
         opt.step()
+    from smp2ds.engine.mics import partition_stats
+
+    out["stats"] = dict(partition_stats(model.backend.engine))  # gradients, fp32 master, optimizer state held
     out["weights"] = model.state_dict()
     out["local_shapes"] = {k: tuple(v.shape) for k, v in model.local_state_dict().items()
                            if isinstance(v, torch.Tensor)}
