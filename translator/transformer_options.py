@@ -48,8 +48,8 @@ OPTIONS: tuple[OptionFate, ...] = (
                "DistributedTransformerLMHead at tensor_parallel_degree > 1: word embedding and head split over "
                "the vocabulary, loss by a vocab-parallel cross-entropy (full logits never joined; the forward "
                "with labels returns (loss, None)); nothing to split at tp 1; refused when the vocabulary is not "
-               "divisible by tp and by modules without an embedding (DistributedTransformer: BERT/RoBERTa "
-               "encoders)"),
+               "divisible by tp, with pipeline_parallel_degree > 1, and by modules without an embedding "
+               "(DistributedTransformer: BERT/RoBERTa encoders)"),
     OptionFate("use_normal_initialization", NO_EFFECT,
                "fresh weights are drawn from N(0, initializer_range) whatever its value; replaced Hugging Face "
                "models keep their own weights"),
