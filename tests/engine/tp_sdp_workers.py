@@ -4,7 +4,7 @@
 the step's batch, so the single-process reference (``tp_workers.reference``) trains on the union of
 the rdp ranks' rows. ``sdp_gradient_clipping`` clips inside DeepSpeed's step (the reference clips
 with ``clip_grad_norm_`` at the same value); ``sdp_param_persistence_threshold`` 0 partitions even
-these tiny tensors.
+these tiny tensors; 2 micro-batches per step (ZeRO-3 reduce-scatters each one's gradients).
 
 Each phase builds a fresh model (``smp.reset()``) and reports what the test checks: losses, full
 weights (``state_dict()``), every parameter's elements held by this rank (``ds_tensor``) with its
@@ -26,7 +26,7 @@ from tests.engine.train_workers import plain
 
 CONFIG = {"ddp": True, "tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "prescaled_batch": True,
           "delayed_parameter_initialization": True, "sdp_param_persistence_threshold": 0,
-          "sdp_gradient_clipping": 0.5}
+          "sdp_gradient_clipping": 0.5, "microbatches": 2}
 CLIP = CONFIG["sdp_gradient_clipping"]
 
 
