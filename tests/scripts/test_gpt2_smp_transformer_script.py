@@ -2,7 +2,9 @@
 through ``model_creation(tensor_parallelism=True, ...)``, ``seq_layers`` partition assignment,
 activation checkpointing of ``.attention`` / ``.output``, translate functions for checkpoints), runs
 unchanged under ``torchrun`` at tensor_parallel_degree 1 (2 data-parallel ranks), 2, and 2 with
-pipeline_parallel_degree 2 (4 ranks: the distributed transformer cut into stages), and equals
+pipeline_parallel_degree 2 (4 ranks: the distributed transformer cut into stages), and 2 with
+sharded_data_parallel_degree 2 (4 ranks, prescaled_batch, delayed parameter initialization; SMP clips
+gradients at 1.0 with sharded data parallelism, and so does the reference), and equals
 single-process Hugging Face GPT-2 training from the same starting weights (losses per rank and the
 final weights, rtol 1e-4); the checkpoint it writes in Hugging Face's names loads into a plain
 ``GPT2LMHeadModel`` and gives the distributed model's logits."""
@@ -32,8 +34,9 @@ def _script():
     return module
 
 
-def _reference(script, init: dict, ranks: int) -> tuple[list[list[float]], dict]:
-    """Hugging Face GPT-2 trained in one process on the union of the ranks' rows."""
+def _reference(script, init: dict, ranks: int, clip: float | None = None) -> tuple[list[list[float]], dict]:
+    """Hugging Face GPT-2 trained in one process on the union of the ranks' rows (``clip``: SMP's
+    gradient clipping, on by default at 1.0 with sharded data parallelism)."""
     model = script.GPT2LMHeadModel(script.model_config())
     model.load_state_dict(init)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.95), eps=EPS)
@@ -46,14 +49,16 @@ def _reference(script, init: dict, ranks: int) -> tuple[list[list[float]], dict]
             per_rank.append(model(input_ids=x, attention_mask=m, labels=x.masked_fill(m == 0, -100)).loss)
         losses.append([v.item() for v in per_rank])
         torch.stack(per_rank).mean().backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
     return losses, model.state_dict()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2)])
-def test_smp_gpt2_transformer_script_runs_unchanged_and_matches_hugging_face(tp, pp, tmp_path):
+@pytest.mark.parametrize("tp,pp,sdp", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 1, 2)])
+def test_smp_gpt2_transformer_script_runs_unchanged_and_matches_hugging_face(tp, pp, sdp, tmp_path):
     script = _script()
     torch.manual_seed(31)
     init = script.GPT2LMHeadModel(script.model_config()).state_dict()
@@ -61,9 +66,12 @@ def test_smp_gpt2_transformer_script_runs_unchanged_and_matches_hugging_face(tp,
     args = ["--tensor-parallel-degree", str(tp), "--pipeline-parallel-degree", str(pp), "--steps", str(STEPS),
             "--train-batch-size", str(B), "--init-from", str(tmp_path / "init.pt"), "--adam-eps", str(EPS),
             "--checkpoint-dir", str(tmp_path)]
-    reports = run_torchrun(SCRIPT, 2 * pp, args, timeout_s=400)
-    losses, weights = _reference(script, init, 2)
-    assert sorted(rep["dp_rank"] for rep in reports) == sorted([0, 1] * pp)  # 2 data-parallel ranks per stage
+    if sdp > 1:  # SMP 1.15+: tensor parallelism with sharded data parallelism needs prescaled_batch
+        args += ["--sharded-data-parallel-degree", str(sdp), "--prescaled-batch", "1", "--delayed-param", "1"]
+    reports = run_torchrun(SCRIPT, 2 * pp * sdp, args, timeout_s=400)
+    losses, weights = _reference(script, init, 2, clip=1.0 if sdp > 1 else None)
+    # 2 data ranks: per stage, or (prescaled_batch) per tensor-parallel group
+    assert sorted(rep["dp_rank"] for rep in reports) == sorted([0, 1] * pp * sdp)
     for rep in reports:
         assert rep["class"] == "DistributedTransformerLMHead" and rep["tp"][1] == tp and rep["pp"][1] == pp
         np.testing.assert_allclose(rep["losses"], [s[rep["dp_rank"]] for s in losses], rtol=1e-4, atol=1e-6)

@@ -34,6 +34,9 @@ def parse_args():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tensor-parallel-degree", type=int, default=1)
     parser.add_argument("--pipeline-parallel-degree", type=int, default=1)
+    parser.add_argument("--sharded-data-parallel-degree", type=int, default=1)
+    parser.add_argument("--prescaled-batch", type=int, default=0)
+    parser.add_argument("--delayed-param", type=int, default=0)
     parser.add_argument("--use-distributed-transformer", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--train-batch-size", type=int, default=3, help="per data-parallel rank")
@@ -81,9 +84,13 @@ def logits_step(model, input_ids):
 
 def main():
     args = parse_args()
-    smp.init({"ddp": True, "tensor_parallel_degree": args.tensor_parallel_degree,
-              "pipeline_parallel_degree": args.pipeline_parallel_degree, "microbatches": 1,
-              "prescaled_batch": False})
+    smp_config = {"ddp": True, "tensor_parallel_degree": args.tensor_parallel_degree,
+                  "pipeline_parallel_degree": args.pipeline_parallel_degree, "microbatches": 1,
+                  "prescaled_batch": args.prescaled_batch > 0}
+    if args.sharded_data_parallel_degree > 1:
+        smp_config["sharded_data_parallel_degree"] = args.sharded_data_parallel_degree
+        smp_config["delayed_parameter_initialization"] = args.delayed_param > 0
+    smp.init(smp_config)
     set_seed(args.seed)
     with smp.model_creation(tensor_parallelism=smp.tp_size() > 1 or args.use_distributed_transformer > 0,
                             dtype=torch.float32, distribute_embedding=False, use_alibi=False,
@@ -112,8 +119,10 @@ def main():
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                                               eps=args.adam_eps))
     b = args.train_batch_size
-    ids, mask = batches(args.steps, b * smp.dp_size())
-    rows = slice(smp.dp_rank() * b, (smp.dp_rank() + 1) * b)
+    # prescaled_batch: the tensor-parallel group shares one batch, sharded by rdp_rank
+    data_rank, data_size = (smp.rdp_rank(), smp.rdp_size()) if args.prescaled_batch else (smp.dp_rank(), smp.dp_size())
+    ids, mask = batches(args.steps, b * data_size)
+    rows = slice(data_rank * b, (data_rank + 1) * b)
     losses = []
     model.train()
     for step in range(args.steps):
@@ -122,7 +131,7 @@ def main():
         optimizer.step()
 
     hf_dict = translate_state_dict_to_hf_gpt2(model.state_dict(), max_seq_len=SEQ)  # collective under tp
-    report = {"rank": smp.rank(), "dp_rank": smp.dp_rank(), "tp": [smp.tp_rank(), smp.tp_size()],
+    report = {"rank": smp.rank(), "dp_rank": data_rank, "tp": [smp.tp_rank(), smp.tp_size()],
               "pp": [smp.pp_rank(), smp.pp_size()],
               "class": type(model.get_module()).__name__, "losses": losses,
               "weights": {k: v.float().flatten().tolist() for k, v in hf_dict.items()}}
