@@ -34,7 +34,7 @@ from smp2ds.engine.mics.mpu import ShardGroupMPU
 from smp2ds.engine.mics.shard_groups import MicsGroups
 from smp2ds.engine.tensor_parallel import registry
 from smp2ds.engine.tensor_parallel.group import TPGroup, current
-from smp2ds.engine.tensor_parallel.shards import full_tensor, spec_of
+from smp2ds.engine.tensor_parallel.shards import full_tensor, local_part, spec_of
 
 
 class TensorShardMPU(ShardGroupMPU):
@@ -103,15 +103,6 @@ def partitioning(ds_config: Mapping[str, Any], groups: MicsGroups) -> registry.A
     return around
 
 
-def _local_piece(target: torch.Tensor, value: Any, tp: TPGroup) -> Any:
-    """A full tensor loaded into a tensor-parallel shard becomes this rank's piece; others pass."""
-    spec = spec_of(target)
-    if spec is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == spec.full_shape \
-            and tuple(value.shape) != tuple(target.shape):
-        return spec.local(value, tp.rank)
-    return value
-
-
 class TensorShardedBackend(MicsBackend):
     """Tensor-parallel shards, ZeRO-3 partitioned over shard groups inside the rdp group."""
 
@@ -157,7 +148,8 @@ class TensorShardedBackend(MicsBackend):
         """Load full tensors (cut to this rank's piece) or this rank's shards; the shard group's first
         rank's values are partitioned and DeepSpeed's fp32 master copy refreshed."""
         with self._whole(modifier_rank=0) as own:
-            cut = {k: _local_piece(own[k], v, self.tp) if k in own else v for k, v in sd.items()}
+            cut = {k: local_part(own[k], v, self.tp) if k in own and isinstance(v, torch.Tensor) else v
+                   for k, v in sd.items()}
             result = self.module.load_state_dict(cut, strict=strict)
         if self.ds_optimizer is not None and hasattr(self.ds_optimizer, "refresh_fp32_params"):
             self.ds_optimizer.refresh_fp32_params()
