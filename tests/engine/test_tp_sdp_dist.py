@@ -10,7 +10,9 @@ MLP whose every large layer is distributed; GPT-2's embeddings and layer norms s
 tensor-parallel group and count at 1/sdp). Partial ``smp.save`` / ``smp.load`` and
 ``save_checkpoint`` / ``resume_from_checkpoint`` round trips resume exactly; a model created whole
 (``zero_init=False``) is partitioned when the engine is built and trains the same (SGD: its weights
-follow the clipping coefficient, so a gradient norm that missed a tensor-parallel shard fails).
+follow the clipping coefficient, so a gradient norm that missed a tensor-parallel shard fails). In bf16
+(SMP's usual precision with sdp) the weights stay within bf16 rounding of the fp32 run: a bound that an
+update 1.2x too large already breaks.
 """
 
 from __future__ import annotations
@@ -130,3 +132,31 @@ def _check_round_trip(per_rank: list) -> None:
             assert ckpt["files"] == files, ckpt["files"]
             for key, value in ckpt["uninterrupted"].items():
                 _close(ckpt["resumed"][key], value, f"rank {rank} phase {p}: resumed {key}", 1e-6)
+
+
+BF16 = {"bf16": True, "sdp_gradient_clipping": 1000.0}  # no clipping: an update of the wrong size shows
+BF16_PHASES = [{"model": "gpt2", "optimizer": "sgd", "seed": 31, "steps": 3, "clip": None},
+               {"model": "mlp", "optimizer": "sgd", "seed": 32, "steps": 3, "clip": None}]
+BF16_RTOL, BF16_ATOL = 2e-2, 2e-3
+
+
+@pytest.mark.slow
+def test_tp2_sdp2_bf16_trains_within_bf16_rounding_of_the_fp32_reference():
+    """SMP's usual TP x sdp precision (bf16 needs sharded data parallelism in SMP): born partitioned in bf16,
+    sharded, trained with SGD. Weights stay within bf16 rounding of the fp32 single-process run, while the
+    run moves them by far more than that bound (so an update of the wrong size or direction fails)."""
+    per_rank = run_ranks(sw.run_tp_sdp, 4, BF16_PHASES, B, BF16)
+    for p, phase in enumerate(BF16_PHASES):
+        ref = tw.reference(phase, 2, B)
+        start = tw.plain_model(phase["model"], phase["seed"]).state_dict()
+        moved = max(float((ref["weights"][k] - start[k]).abs().max()) for k in ref["weights"])
+        assert moved > 20 * BF16_ATOL, moved
+        for rank, results in enumerate(per_rank):
+            got = results[p]
+            assert {str(t) for t in got["dtypes"]} == {"torch.bfloat16"}, got["dtypes"]
+            torch.testing.assert_close(torch.as_tensor(got["losses"]), torch.as_tensor(
+                [s[got["data_rank"]] for s in ref["losses"]]), rtol=BF16_RTOL, atol=0)
+            for key, value in ref["weights"].items():
+                torch.testing.assert_close(torch.as_tensor(got["weights"][key]).float(), value, rtol=BF16_RTOL,
+                                           atol=BF16_ATOL, msg=lambda m, key=key, rank=rank: f"rank {rank} {key}: {m}")
+            _check_held(rank, phase, got)

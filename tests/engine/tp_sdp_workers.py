@@ -84,6 +84,7 @@ def _train_phase(smp: Any, phase: dict, b: int) -> dict:
     kind = phase["model"]
     model, net, out = _build(smp, phase)
     out["after_wrap_partitioned"] = all(hasattr(p, "ds_tensor") for p in net.parameters())
+    out["dtypes"] = sorted({str(p.dtype) for p in net.parameters()})
     if kind == "mlp":
         model.load_state_dict(tw.plain_model(kind, phase["seed"]).state_dict())  # full tensors, cut here
     opt = smp.DistributedOptimizer(tw.make_optimizer(phase["optimizer"], model.parameters()))
@@ -159,11 +160,12 @@ def _save_load_round_trip(smp: Any, phase: dict, model: Any, opt: Any, train_ste
     return {"uninterrupted": uninterrupted, "resumed": model.state_dict(), "files": files}
 
 
-def run_tp_sdp(phases: list[dict], b: int) -> list[dict]:
-    """Initialise SMP once (tp 2 x sdp 2) and train one fresh model per phase."""
+def run_tp_sdp(phases: list[dict], b: int, overrides: dict | None = None) -> list[dict]:
+    """Initialise SMP once (tp 2 x sdp 2, ``CONFIG`` updated by ``overrides``) and train one fresh model
+    per phase."""
     import smdistributed.modelparallel.torch as smp
 
-    smp.init(CONFIG)
+    smp.init({**CONFIG, **(overrides or {})})
     results = []
     for phase in phases:
         smp.reset()
