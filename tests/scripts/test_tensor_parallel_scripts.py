@@ -1,5 +1,5 @@
 """An SMP-style tensor-parallel GPT-2 script (``tensor_parallel/gpt2_tp.py``), launched with ``torchrun`` on
-2 CPU ranks, matches a single-process PyTorch run of the same model, seed and tokens (the union of the
+2 CPU ranks (and on 4 with pipeline_parallel_degree 2: tp 2 inside each stage), matches a single-process PyTorch run of the same model, seed and tokens (the union of the
 data-parallel ranks' batches): per-rank losses, gradient norms (clipping that clips) and final weights;
 every rank holds half of each sharded block weight; the full checkpoint loads into a plain model."""
 
@@ -47,12 +47,15 @@ def _reference(data_ranks: int, steps: int, batch: int, clip: float) -> dict:
 
 
 @pytest.mark.slow
-def test_smp_gpt2_tensor_parallel_script_matches_single_process(tmp_path):
-    results = run_torchrun(SCRIPT, 2, ["--checkpoint-dir", str(tmp_path)], timeout_s=400)
+@pytest.mark.parametrize("pp", [1, 2])
+def test_smp_gpt2_tensor_parallel_script_matches_single_process(pp, tmp_path):
+    results = run_torchrun(SCRIPT, 2 * pp, ["--checkpoint-dir", str(tmp_path), "--pipeline-parallel-degree", str(pp)],
+                           timeout_s=400)
     ref = _reference(results[0]["data_ranks"], 3, 4, 0.5)
     assert max(ref["norms"]) > 0.5, "the test's clipping must clip"
+    assert sorted(res["pp"][0] for res in results) == sorted(list(range(pp)) * 2)
     for res in results:
-        assert res["tp"][1] == 2 and res["data_ranks"] == 2
+        assert res["tp"][1] == 2 and res["data_ranks"] == 2 and res["pp"][1] == pp
         torch.testing.assert_close(torch.tensor(res["losses"]),
                                    torch.tensor([step[res["data_rank"]] for step in ref["losses"]]), rtol=1e-4, atol=0)
         torch.testing.assert_close(torch.tensor(res["grad_norms"]), torch.tensor(ref["norms"]), rtol=1e-4, atol=0)

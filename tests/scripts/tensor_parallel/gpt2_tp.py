@@ -28,6 +28,7 @@ def parse_args():
     parser.add_argument("--train-batch-size", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--tensor-parallel-degree", type=int, default=2)
+    parser.add_argument("--pipeline-parallel-degree", type=int, default=1)
     parser.add_argument("--prescaled-batch", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--weight-decay", type=float, default=0.01)
@@ -70,6 +71,7 @@ def main():
         "ddp": True,
         "microbatches": args.microbatches,
         "tensor_parallel_degree": args.tensor_parallel_degree,
+        "pipeline_parallel_degree": args.pipeline_parallel_degree,
         "prescaled_batch": args.prescaled_batch > 0,
         "optimize": "speed",
     })
@@ -101,7 +103,7 @@ def main():
     local_numel = {n: p.numel() for n, p in model.named_parameters()}
     weights = {k: v.float().flatten().tolist() for k, v in model.state_dict().items()}
     report = {"rank": smp.rank(), "data_rank": rank, "data_ranks": size, "losses": losses, "grad_norms": grad_norms,
-              "tp": [smp.tp_rank(), smp.tp_size()], "local_numel": local_numel,
+              "tp": [smp.tp_rank(), smp.tp_size()], "pp": [smp.pp_rank(), smp.pp_size()], "local_numel": local_numel,
               "full_numel": {k: len(v) for k, v in weights.items()}, "weights": weights}
     with open(os.path.join(os.environ["SMP2DS_SCRIPT_OUT"], f"rank{smp.rank()}.json"), "w") as f:
         json.dump(report, f)
