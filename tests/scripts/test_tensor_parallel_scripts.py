@@ -1,7 +1,8 @@
 """An SMP-style tensor-parallel GPT-2 script (``tensor_parallel/gpt2_tp.py``), launched with ``torchrun`` on
-2 CPU ranks (and on 4 with pipeline_parallel_degree 2: tp 2 inside each stage), matches a single-process PyTorch run of the same model, seed and tokens (the union of the
-data-parallel ranks' batches): per-rank losses, gradient norms (clipping that clips) and final weights;
-every rank holds half of each sharded block weight; the full checkpoint loads into a plain model."""
+2 CPU ranks (and on 4 with pipeline_parallel_degree 2: tp 2 inside each stage), matches a single-process
+PyTorch run of the same model, seed and tokens (the union of the data-parallel ranks' batches): per-rank
+losses, gradient norms (clipping that clips) and final weights; every rank holds half of each sharded block
+weight; the full checkpoint loads into a plain model."""
 
 from __future__ import annotations
 
