@@ -96,9 +96,11 @@ def barrier(group: ProcessGroup | None = None) -> None:
     dist.barrier(group=group)
 
 
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None) -> torch.Tensor:
-    dist.all_reduce(tensor, op=op, group=group)
-    return tensor
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Any:
+    """Reduce ``tensor`` in place; returns it, or the work handle (``.wait()``) when ``async_op``."""
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return work if async_op else tensor
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> torch.Tensor:

@@ -9,7 +9,8 @@ choosing the group ZeRO-3 partitions over, and adding what ZeRO-3 lacks (design.
   (an ``mpu`` whose data-parallel group is the shard group);
 * two-hop gradient sync: DeepSpeed reduce-scatters inside the shard group every micro-batch;
   we all-reduce the gradient partition across the replica group once per optimizer step, before
-  overflow check, norm, clipping and update (so the norm and clipping equal the unsharded ones);
+  overflow check, norm, clipping and update (so the norm and clipping equal the unsharded ones),
+  started per reduce-scatter bucket during the last micro-batch's backward (``overlap``);
 * ``sdp_hierarchical_allgather``: shard groups spanning nodes fetch parameters inter-node first,
   then intra-node (identical bytes); off automatically when the group fits in a node.
 
@@ -36,9 +37,11 @@ Public surface (for the engine core; all collective calls must run on every rank
     loads into the partitions (``param_creation``).
 ``import_lazy_modules()``
     Import what must not be imported for the first time under ``zero.Init`` (called by the above).
-``initialize(model, optimizer, ds_config, groups, hierarchical=None, lr_scheduler=None) -> (engine, optimizer)``
+``initialize(model, optimizer, ds_config, groups, hierarchical=None, lr_scheduler=None, overlap=True)``
     ``deepspeed.initialize`` with the shard-group mpu; replicas start identical; the optimizer's
-    ``step`` carries the replica all-reduce (``optimizer.mics_replica_syncs`` counts it);
+    ``step`` carries the replica all-reduce (``optimizer.mics_replica_syncs`` counts it); with
+    ``overlap`` it is issued per bucket during the boundary backward (``optimizer.mics_overlap``:
+    its ``log`` and ``async_elements``; ``optimizer.mics_sync_elements``: what ``step`` reduced);
     hierarchical all-gather installed when it applies; only shard group 0 writes checkpoint
     files. Use the returned engine's ``forward/backward/step``, ``save_checkpoint`` and
     ``load_checkpoint`` as usual; ``p.ds_tensor``, ``p.ds_numel``, ``p.ds_shape`` and
@@ -54,7 +57,8 @@ Public surface (for the engine core; all collective calls must run on every rank
 
 DeepSpeed private attributes relied on (pinned by tests/engine/test_mics_internals.py):
 ``DeepSpeedZeroOptimizer_Stage3.averaged_gradients`` / ``fp16_groups`` /
-``grad_partitions_flat_buffer``, ``partition_parameters._dist_allgather_fn``,
+``grad_partitions_flat_buffer`` / ``partition_grads`` / ``__param_id_to_grad_partition`` /
+``backward_prologue``, ``partition_parameters._dist_allgather_fn``,
 ``partition_parameters.dist.broadcast`` (during ``mics_init_context`` only) and the engine flags
 ``save_non_zero_checkpoint`` / ``save_zero_checkpoint``.
 """

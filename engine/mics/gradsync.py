@@ -8,7 +8,10 @@ checks overflow and computes the gradient norm from ``self.averaged_gradients`` 
 unscales/clips and updates. Wrapping ``step`` therefore puts our all-reduce exactly where it must
 be: once per optimizer step, after the last micro-batch, before overflow check, norm, clipping
 and the update. After it every replica holds the dp-wide average of its partition, so the norm
-DeepSpeed all-reduces over the shard group is the unsharded norm and clipping matches.
+DeepSpeed all-reduces over the shard group is the unsharded norm and clipping matches. By
+default most of that all-reduce has already run by then, overlapped with backward (one
+asynchronous all-reduce per reduce-scatter bucket, ``overlap.py``); ``step`` waits on it and
+all-reduces only what it did not cover.
 
 Private DeepSpeed attributes relied on (checked by ``check_stage3_internals``, pinned by
 tests/engine/test_mics_internals.py): ``averaged_gradients`` (dict: sub-group index -> list of
@@ -26,6 +29,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from smp2ds.engine.core import comm
+from smp2ds.engine.mics.overlap import install_overlap
 
 _REQUIRED = ("averaged_gradients", "fp16_groups", "step", "fp32_partitioned_groups_flat", "dp_process_group")
 
@@ -55,8 +59,10 @@ def check_stage3_internals(optimizer: Any) -> None:
             "sharded_data_parallel_degree too): remove zero_optimization.offload_optimizer")
 
 
-def _partition_tensors(optimizer: Any) -> list[torch.Tensor]:
-    """The accumulated gradient partitions this rank holds, in a fixed order (same on every rank)."""
+def _partition_tensors(optimizer: Any, skip: set[int] | frozenset[int] = frozenset()) -> list[torch.Tensor]:
+    """The accumulated gradient partitions this rank holds, in a fixed order (same on every rank).
+
+    ``skip``: ``ds_id``s of parameters whose partitions are left out (already averaged)."""
     import deepspeed
 
     groups = optimizer.averaged_gradients
@@ -65,7 +71,8 @@ def _partition_tensors(optimizer: Any) -> list[torch.Tensor]:
             f"at optimizer.step() DeepSpeedZeroOptimizer_Stage3.averaged_gradients holds {len(groups)} of "
             f"{len(optimizer.fp16_groups)} sub-groups (deepspeed {deepspeed.__version__}); the MiCS replica "
             "all-reduce cannot find the gradient partitions. Was backward() run before step()?")
-    return [t for i in range(len(groups)) for t in groups[i]]
+    return [t for i in range(len(groups)) for p, t in zip(optimizer.fp16_groups[i], groups[i])
+            if p.ds_id not in skip]
 
 
 def _covers_flat_buffer(tensors: list[torch.Tensor], flat: torch.Tensor | None) -> bool:
@@ -76,9 +83,12 @@ def _covers_flat_buffer(tensors: list[torch.Tensor], flat: torch.Tensor | None) 
     return all(t.untyped_storage().data_ptr() == base for t in tensors)
 
 
-def replica_allreduce(optimizer: Any, replica_group: Any, replicas: int) -> int:
-    """Average this rank's gradient partitions over ``replica_group``; return elements reduced."""
-    tensors = _partition_tensors(optimizer)
+def replica_allreduce(optimizer: Any, replica_group: Any, replicas: int,
+                      skip: set[int] | frozenset[int] = frozenset()) -> int:
+    """Average this rank's gradient partitions over ``replica_group``; return elements reduced.
+
+    ``skip``: ``ds_id``s already averaged (by the overlapped path); every rank skips the same ones."""
+    tensors = _partition_tensors(optimizer, skip)
     if not tensors:
         return 0
     flat_buffer = getattr(optimizer, "grad_partitions_flat_buffer", None)
@@ -109,18 +119,27 @@ def _average(flat: torch.Tensor, group: Any, replicas: int) -> None:
         flat.div_(replicas)
 
 
-def install_replica_allreduce(optimizer: Any, replica_group: Any, replicas: int) -> None:
-    """Wrap ``optimizer.step`` so the replica all-reduce runs first; counts calls in ``mics_replica_syncs``."""
+def install_replica_allreduce(optimizer: Any, replica_group: Any, replicas: int, overlap: bool = True) -> None:
+    """Wrap ``optimizer.step`` so the replica all-reduce is complete before it; counts in ``mics_replica_syncs``.
+
+    ``overlap``: start the all-reduce per reduce-scatter bucket during the boundary backward
+    (``overlap.ReplicaOverlap``, kept as ``optimizer.mics_overlap``; None when off or when this
+    DeepSpeed lacks the hook points) and wait on it here; what it did not cover is all-reduced here.
+    ``optimizer.mics_sync_elements`` counts the elements all-reduced synchronously at ``step``.
+    """
     check_stage3_internals(optimizer)
     if getattr(optimizer, "_smp2ds_mics_hooked", False):
         return
     original_step = optimizer.step
     optimizer.mics_replica_syncs = 0
+    optimizer.mics_sync_elements = 0
+    optimizer.mics_overlap = install_overlap(optimizer, replica_group, replicas) if overlap and replicas > 1 else None
 
     @functools.wraps(original_step)
     def step(*args: Any, **kwargs: Any) -> Any:
         if replicas > 1:
-            replica_allreduce(optimizer, replica_group, replicas)
+            done = optimizer.mics_overlap.finish() if optimizer.mics_overlap is not None else frozenset()
+            optimizer.mics_sync_elements += replica_allreduce(optimizer, replica_group, replicas, skip=done)
             optimizer.mics_replica_syncs += 1
         return original_step(*args, **kwargs)
 

@@ -66,14 +66,16 @@ def sync_replicas(model: torch.nn.Module, groups: MicsGroups) -> None:
 
 def initialize(model: torch.nn.Module, optimizer: Any, ds_config: Mapping[str, Any], groups: MicsGroups,
                hierarchical: bool | None = None, lr_scheduler: Any = None,
-               model_parameters: Any = None, mpu: Any = None) -> tuple[Any, Any]:
+               model_parameters: Any = None, mpu: Any = None, overlap: bool = True) -> tuple[Any, Any]:
     """``deepspeed.initialize`` for MiCS; returns ``(engine, engine.optimizer)`` with the replica hook.
 
     * DeepSpeed's data-parallel group is the shard group (``ShardGroupMPU``), so ZeRO-3 partitions
       parameters, gradients and optimizer state over S ranks; a model built normally is
       partitioned here, one built under ``mics_init_context`` already is.
     * replicas start from identical weights (``sync_replicas``);
-    * the optimizer's ``step`` first averages gradient partitions over the replica group;
+    * the optimizer's ``step`` first averages gradient partitions over the replica group; with
+      ``overlap`` (default) that all-reduce starts per reduce-scatter bucket during the boundary
+      backward and ``step`` only waits on it (``engine/mics/overlap.py``; same results);
     * ``hierarchical`` (None = as ``groups`` decided, False = off) routes parameter fetches of a
       shard group spanning nodes through the two-stage all-gather;
     * only the first shard group of each rdp group writes checkpoint files (replicas hold identical
@@ -98,7 +100,7 @@ def initialize(model: torch.nn.Module, optimizer: Any, ds_config: Mapping[str, A
         kwargs["model_parameters"] = model_parameters
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     if optimizer is not None:  # an engine only for evaluation / state dicts has no ZeRO-3 optimizer
-        install_replica_allreduce(engine.optimizer, groups.replica_group, groups.replicas)
+        install_replica_allreduce(engine.optimizer, groups.replica_group, groups.replicas, overlap=overlap)
     if groups.layout.replica_rank != 0:
         engine.save_non_zero_checkpoint = False
         engine.save_zero_checkpoint = False

@@ -60,6 +60,30 @@ def test_step_computes_overflow_and_norm_before_clipping_and_update():
         "step() touches averaged_gradients before the norm: re-check where the replica all-reduce belongs")
 
 
+def test_reduced_partitions_pass_through_partition_grads_into_the_views_averaged_gradients_lists():
+    # What engine/mics/overlap.py relies on: (method, code it must contain, what breaks without it).
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cls = _stage3()
+    views = "self.__param_id_to_grad_partition[param.ds_id]"  # read by overlap.py as VIEWS_ATTR
+    expected = [
+        ("__reduce_and_partition_ipg_grads", "self.partition_grads(params_in_bucket, grad_partitions)",
+         "ZeRO-3's bucket reduce no longer calls partition_grads: no replica all-reduce would be overlapped"),
+        ("partition_grads", views, "partition_grads no longer writes into __param_id_to_grad_partition"),
+        ("independent_gradient_partition_epilogue", views,
+         "averaged_gradients no longer lists the __param_id_to_grad_partition views"),
+        ("_setup_for_real_optimizer", f"{views} = self.grad_partitions_flat_buffer.narrow(",
+         "__param_id_to_grad_partition no longer views grad_partitions_flat_buffer"),
+    ]
+    for method, code, broken in expected:
+        assert code in _method_src(cls, method), f"DeepSpeedZeroOptimizer_Stage3.{method}: {broken} (overlap.py)"
+    engine = _src(DeepSpeedEngine)
+    # A new backward drops copies taken in one not followed by step (ReplicaOverlap.discard), and
+    # ZeRO-3 is told the boundary before backward (only a boundary backward issues all-reduces).
+    assert "self.optimizer.backward_prologue()" in engine
+    assert "self.optimizer.set_gradient_accumulation_boundary(self.is_gradient_accumulation_boundary())" in engine
+
+
 def test_parameter_fetch_goes_through_dist_allgather_fn():
     from deepspeed.runtime.zero import partition_parameters as pp
 
