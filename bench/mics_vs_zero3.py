@@ -13,7 +13,10 @@ Variants (same model, data, Adam, fp32; one launch, the variants run one after a
 same processes, each MiCS run next to its ZeRO-3 competitor):
 
 * ``zero3``: DeepSpeed ZeRO-3 over all N = 4 ranks (the competitor), accumulation 1 and 4;
-* ``mics``: MiCS with S = 2 = ranks per node (R = 2 replicas), accumulation 1 and 4;
+* ``mics``: MiCS with S = 2 = ranks per node (R = 2 replicas), accumulation 1 and 4; its replica
+  all-reduce starts per reduce-scatter bucket during the last backward (engine/mics/overlap.py);
+* ``mics-sync``: the same with that all-reduce run only at the optimizer step, accumulation 1
+  (the overlap's effect on its own);
 * ``mics-hier`` / ``mics-flat``: MiCS with S = 4 (one shard group spanning both nodes) with the
   hierarchical all-gather (``sdp_hierarchical_allgather``) on / off, accumulation 1: the
   hierarchical all-gather's effect on its own.
@@ -57,7 +60,7 @@ TARGETS = {1: 0.50, 4: 0.30}  # MiCS / ZeRO-3 step time, by accumulation
 _GATHERS = ("all_gather_into_tensor", "_all_gather_base", "all_gather")
 # Variants (family:accumulation), run one after another in the same processes, each pair of
 # competitors next to each other so that changing load on the machine hits both alike.
-VARIANTS = ("zero3:1", "mics:1", "zero3:4", "mics:4", "mics-flat:1", "mics-hier:1")
+VARIANTS = ("zero3:1", "mics:1", "mics-sync:1", "zero3:4", "mics:4", "mics-flat:1", "mics-hier:1")
 
 
 # ------------------------------------------------------------------------------- worker side
@@ -72,7 +75,7 @@ def _engine(family: str, gas: int, opts: argparse.Namespace, model, world: int, 
         "train_micro_batch_size_per_gpu": opts.micro, "gradient_accumulation_steps": gas,
         "gradient_clipping": 1.0, "steps_per_print": 10**9,
         # Persistence 0: every tensor is partitioned, as the formulas assume.
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": 500_000_000,
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": opts.reduce_bucket,
                               "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 1_000_000_000},
     }
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -83,10 +86,10 @@ def _engine(family: str, gas: int, opts: argparse.Namespace, model, world: int, 
         # a MiCS engine created before would otherwise hand ZeRO-3 its shard group.
         ds_groups.mpu = None
         return deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0]
-    shard = per_node if family == "mics" else world
+    shard = per_node if family in ("mics", "mics-sync") else world
     groups = mics.MicsGroups.create(Topology(rdp=world), shard, ranks_per_node=per_node,
                                     hierarchical=family == "mics-hier")
-    return mics.initialize(model, opt, cfg, groups)[0]
+    return mics.initialize(model, opt, cfg, groups, overlap=family != "mics-sync")[0]
 
 
 def _worker(opts: argparse.Namespace) -> None:
@@ -139,7 +142,8 @@ def _worker(opts: argparse.Namespace) -> None:
                         "gathered": sum(r.nbytes for r in gathers) / opts.steps,
                         "wire": (_wire_bytes(veth) - wire0) / opts.steps if veth else None,
                         "fraction": stats["fraction"], "M": numel * 4,
-                        "syncs": getattr(engine.optimizer, "mics_replica_syncs", None)})
+                        "syncs": getattr(engine.optimizer, "mics_replica_syncs", None),
+                        "overlapped": _overlapped_fraction(engine.optimizer)})
         del engine, optimizer_step, model
         mics.uninstall_hierarchical_allgather()
         gc.collect()
@@ -150,6 +154,13 @@ def _worker(opts: argparse.Namespace) -> None:
             json.dump(everyone, fh)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _overlapped_fraction(opt) -> float:
+    """Share of the replica all-reduce's elements issued during backward (engine/mics/overlap.py)."""
+    overlap = getattr(opt, "mics_overlap", None)
+    done = overlap.async_elements if overlap is not None else 0
+    return done / max(done + getattr(opt, "mics_sync_elements", 0), 1)
 
 
 def _wire_bytes(dev: str) -> int:
@@ -181,7 +192,7 @@ def _launch(variants: tuple[str, ...], opts: argparse.Namespace, net: Namespaces
                 "--nproc-per-node", str(PER_NODE), "--master-addr", master, "--master-port", str(port), HERE,
                 "--worker", "--variants", *variants, "--steps", str(opts.steps),
                 "--warmup", str(opts.warmup), "--hidden", str(opts.hidden), "--layers", str(opts.layers),
-                "--micro", str(opts.micro), "--out", out]
+                "--micro", str(opts.micro), "--reduce-bucket", str(opts.reduce_bucket), "--out", out]
             # Logs go to files: a pipe read only after the other node finished can fill and block a rank.
             logs.append(os.path.join(tmp, f"node{node}.log"))
             with open(logs[-1], "w") as log:
@@ -210,7 +221,7 @@ def _launch(variants: tuple[str, ...], opts: argparse.Namespace, net: Namespaces
                         "cpu": statistics.mean(r["cpu"] for r in rows),
                         "gathered": rows[0]["gathered"],
                         "wire": rows[0]["wire"], "fraction": max(r["fraction"] for r in rows), "M": rows[0]["M"],
-                        "syncs": rows[0]["syncs"]}
+                        "syncs": rows[0]["syncs"], "overlapped": min(r["overlapped"] for r in rows)}
     return summary
 
 
@@ -279,6 +290,16 @@ def _report(res: dict, shaped: bool, rate: str) -> bool:
         if not shaped:
             print(f"  NOT JUDGED  gas {gas}: MiCS / ZeRO-3 step time {ratio:.3f} on loopback (needs the shaped link)")
     return ok
+
+
+def _report_overlap(res: dict) -> None:
+    on, off = res[("mics", 1)], res[("mics-sync", 1)]
+    print(f"\n== replica all-reduce overlapped with backward (MiCS S = {PER_NODE}) ==")
+    for gas in (1, 4):
+        print(f"  mics gas {gas}: {res[('mics', gas)]['overlapped']:.0%} of the replica all-reduce's elements "
+              "issued during backward, per reduce-scatter bucket (the rest at step)")
+    print(f"  gas 1: overlapped {on['step_s']:.3f} s vs synchronous (all-reduce at step) {off['step_s']:.3f} s -> "
+          f"{on['step_s'] / off['step_s']:.3f} (reported, no target)")
 
 
 def _report_hierarchical(res: dict, shaped: bool) -> None:
@@ -359,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--micro", type=int, default=4, help="samples per micro-batch per rank")
+    p.add_argument("--reduce-bucket", type=int, default=300_000,
+                   help="zero_optimization.reduce_bucket_size (elements; both families): the default, one "
+                        "layer's gradients, lets ZeRO-3 reduce-scatter per layer during backward and MiCS start "
+                        "its replica all-reduce per bucket; 500000000 (one bucket, at the end of backward) "
+                        "leaves MiCS nothing to overlap")
     p.add_argument("--rate", default="200mbit", help="veth bandwidth")
     p.add_argument("--loopback", action="store_true", help="skip the namespaces (bytes only are judged)")
     p.add_argument("--timeout", type=float, default=600)
@@ -367,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         _worker(opts)
         return 0
     print(f"model: {opts.layers} x Linear({opts.hidden},{opts.hidden})+Tanh, micro-batch {opts.micro}/rank, Adam; "
+          f"reduce_bucket_size {opts.reduce_bucket}; "
           f"median of {opts.steps} steps after {opts.warmup}; load average before: {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} CPUs")
     net = None
@@ -381,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         if net:
             net.__exit__()
     ok = _report(res, net is not None, opts.rate)
+    _report_overlap(res)
     _report_hierarchical(res, net is not None)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0 if ok else 1
