@@ -56,6 +56,8 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "sdp_gradient_clipping": ("tests/engine/test_key_effects_dist.py::test_mapped_keys_reach_the_running_deepspeed_engine",
                               "tests/engine/test_mics_smp_api.py::test_smp_script_with_delayed_sharded_parameters_matches_single_process"),
     "sdp_hierarchical_allgather": ("tests/engine/test_mics_dist.py::test_hierarchical_allgather_gives_identical_results_on_two_nodes",),
+    "optimize": ("tests/engine/test_sequence_parallel_dist.py::test_memory_layout_saves_fewer_activations_per_layer",
+                 "tests/engine/test_sequence_parallel_dist.py::test_memory_layout_trains_like_single_process_hugging_face"),
     "offload_activations": ("tests/engine/test_activation_offload.py::test_offloading_frees_the_saved_device_tensors",
                             "tests/engine/test_activation_offload.py::test_horizon_comes_from_the_running_plan"),
     "activation_loading_horizon": (

@@ -114,10 +114,17 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
            "process groups from this order; Megatron gets the matching order string"),
     ),
     "optimize": (
-        _r("ignored", None,
-           "selects the implementation of SMP's own DistributedTransformer (speed: less tensor-parallel "
-           "communication; memory: no duplicated activations); DeepSpeed AutoTP and smp2ds's parallel layers "
-           "have a single implementation"),
+        _r("engine", "/engine/tensor_parallel/optimize",
+           "the layout of SMP's distributed transformer (smp.nn.DistributedTransformer*, also what "
+           "model_creation(tensor_parallelism=True) replaces GPT-2, GPT-J, GPT-NeoX and BERT by): speed keeps "
+           "the hidden states whole on every tensor-parallel rank; memory splits them along the sequence "
+           "between sublayers (Megatron-style sequence parallelism: layer norms, dropout and residual adds on "
+           "1/tp of the tokens, all-gather before and reduce-scatter after the split projections; the sequence "
+           "length must be divisible by tensor_parallel_degree). Hugging Face blocks sharded in place under "
+           "their own names and smp.nn.DistributedLinear run the speed layout whatever the value (a warning "
+           "says so when memory is asked for)", "tp_runs"),
+        _r("ignored", None, "only matters with tensor parallelism, and this plan runs none "
+           "(tensor_parallel_degree is 1 or refused)"),
     ),
     "auto_partition": (
         _r("engine", "/engine/pipeline/partition/auto",

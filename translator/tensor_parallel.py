@@ -59,4 +59,6 @@ def engine_tensor_parallel(params: Mapping[str, Any], seed: int | None = None) -
         "unsupported": refusal(params),
         "seed": params.get("tensor_parallel_seed", 0) if seed is None else seed,
         "prescaled_batch": bool(params.get("prescaled_batch", False)),
+        # memory: smp.nn's distributed transformer splits the sequence over the group (sequence parallelism)
+        "optimize": str(params.get("optimize") or "speed"),
     }

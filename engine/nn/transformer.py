@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.nn import sequence_parallel as seq
 from smp2ds.engine.nn import transformer_options as opts
 from smp2ds.engine.nn import vocab_head
 from smp2ds.engine.nn.transformer_layers import (
@@ -69,8 +70,11 @@ class DistributedTransformer(RegionModule):
         return self._region(self._forward, *inputs)
 
     def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden, entered = seq.enter(hidden)
         hidden, mask = self.seq_layers((hidden, mask))
-        return (hidden if self.layernorm is None else norm(self.layernorm, hidden)), mask
+        if self.layernorm is not None:
+            hidden = norm(self.layernorm, hidden, seq.is_split(hidden))
+        return seq.leave(hidden, entered), mask
 
 
 class DistributedTransformerLMHead(RegionModule):

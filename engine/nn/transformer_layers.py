@@ -6,7 +6,9 @@ Megatron-style tensor parallelism over the current tensor-parallel group (:mod:`
 * attention: ``query`` / ``key`` / ``value`` column-parallel (each rank holds ``heads/tp`` whole
   heads), ``dense`` row-parallel (partial products summed, bias added once);
 * output (MLP): ``dense1`` column-parallel, activation on the local slice, ``dense2`` row-parallel;
-* layer norms, biases of row-parallel projections and embeddings are replicated.
+* layer norms, biases of row-parallel projections and embeddings are replicated;
+* ``optimize: memory``: between sublayers the hidden states are split along the sequence
+  (:mod:`sequence_parallel`).
 
 Parameters are created whole (from the tensor-parallel stream when tp > 1, so every degree draws
 the same model) and cut with :func:`shard_parameter`: ``state_dict()`` through the engine joins
@@ -28,10 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.nn import sequence_parallel as seq
 from smp2ds.engine.nn import transformer_options as opts
 from smp2ds.engine.tensor_parallel import group as tp_group
 from smp2ds.engine.tensor_parallel import registry, rng
-from smp2ds.engine.tensor_parallel.collectives import copy_to_tp, reduce_from_tp
+from smp2ds.engine.tensor_parallel.collectives import (
+    copy_to_tp,
+    gather_sequence_linear,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+)
 from smp2ds.engine.tensor_parallel.modules import DistributedModule
 from smp2ds.engine.tensor_parallel.region import mark_scaled_batch, run_region
 from smp2ds.engine.tensor_parallel.shards import ShardSpec, shard_parameter
@@ -46,7 +54,10 @@ class DistributedLayerNorm(torch.nn.LayerNorm, DistributedModule):
 
 class ParallelDense(torch.nn.Module):
     """A linear layer (weight ``[out, in]``) split over the group: ``mode`` 'column' splits the
-    output features, 'row' the input features (output summed, bias added once)."""
+    output features, 'row' the input features (output summed, bias added once).
+
+    ``sequence_split`` (``optimize: memory``): a column layer gets this rank's tokens and joins the group's
+    (keeping only its own for backward); a row layer hands back this rank's tokens of the summed output."""
 
     def __init__(self, in_features: int, out_features: int, mode: str, bias: bool, std: float,
                  gen: torch.Generator | None):
@@ -64,9 +75,14 @@ class ParallelDense(torch.nn.Module):
                                      f"not divisible by tensor_parallel_degree {self.tp.size}")
                 shard_parameter(self, name, ShardSpec(axis, self.tp.size), self.tp.rank)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_split: bool = False) -> torch.Tensor:
         if self.mode == "column":
+            if sequence_split:
+                return gather_sequence_linear(x, self.weight, self.bias, self.tp)
             return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        if sequence_split:
+            y = reduce_scatter_sequence(F.linear(x, self.weight), self.tp)
+            return y if self.bias is None else y + seq.replicated(self.bias, True)
         y = reduce_from_tp(F.linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
 
@@ -133,13 +149,18 @@ def _compute(hidden: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return hidden.to(like.dtype)
 
 
-def norm(layernorm: torch.nn.LayerNorm, hidden: torch.Tensor) -> torch.Tensor:
+def norm(layernorm: torch.nn.LayerNorm, hidden: torch.Tensor, split: bool = False) -> torch.Tensor:
     """``layernorm(hidden)``; an fp32 residual stream in front of a 16-bit layer norm is normalised in fp32
-    (its values may exceed the 16-bit range) and the result cast to the layer's dtype."""
+    (its values may exceed the 16-bit range) and the result cast to the layer's dtype. ``split``: ``hidden``
+    holds this rank's tokens only (``optimize: memory``), so the parameters' gradients are summed over the
+    group."""
     weight = layernorm.weight
-    if hidden.dtype == weight.dtype:
+    if hidden.dtype == weight.dtype and not split:
         return layernorm(hidden)
-    bias = None if layernorm.bias is None else layernorm.bias.float()
+    weight, bias = seq.replicated(weight, split), seq.replicated(layernorm.bias, split)
+    if hidden.dtype == weight.dtype:
+        return F.layer_norm(hidden, layernorm.normalized_shape, weight, bias, layernorm.eps)
+    bias = None if bias is None else bias.float()
     return F.layer_norm(hidden.float(), layernorm.normalized_shape, weight.float(), bias,
                         layernorm.eps).to(weight.dtype)
 
@@ -194,9 +215,13 @@ class DistributedAttentionLayer(RegionModule):
         return x.view(n, s, self.local_heads, self.attention_head_size).transpose(1, 2)
 
     def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        hidden, entered = seq.enter(hidden)
+        return seq.leave(self._body(hidden, mask, seq.is_split(hidden)), entered)
+
+    def _body(self, hidden: torch.Tensor, mask: torch.Tensor | None, split: bool) -> torch.Tensor:
         o = self.options
-        x = norm(self.layernorm, hidden) if self.pre_layernorm else _compute(hidden, self.layernorm.weight)
-        q, k, v = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
+        x = norm(self.layernorm, hidden, split) if self.pre_layernorm else _compute(hidden, self.layernorm.weight)
+        q, k, v = (self._heads(proj(x, split)) for proj in (self.query, self.key, self.value))
         if o.rotary_dim:
             q, k = (_rotary(t, o.rotary_dim, o.rotary_emb_base, o.gpt_neox_type_rotary) for t in (q, k))
         in_fp32 = o.attention_in_fp32 or o.query_key_layer_scaling
@@ -215,11 +240,11 @@ class DistributedAttentionLayer(RegionModule):
             scores = scores + mask.to(scores.dtype)
         probs = self.attention_dropout(torch.softmax(scores, dim=-1).to(v.dtype))
         context = torch.matmul(probs, v).transpose(1, 2).reshape(hidden.shape[0], s, -1)
-        out = self.hidden_dropout(self.dense(context))
+        out = seq.dropout(self.hidden_dropout, self.dense(context, split), split)
         if o.parallel_attn_output:
             return out  # the layer adds attention, MLP and residual together
         out = _residual_add(out, hidden, o.fp32_residual_addition)
-        return out if self.pre_layernorm else norm(self.layernorm, out)
+        return out if self.pre_layernorm else norm(self.layernorm, out, split)
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -252,13 +277,17 @@ class DistributedTransformerOutputLayer(RegionModule):
         return self._region(self._forward, hidden)
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = norm(self.layernorm, hidden) if self.pre_layernorm and self.layernorm is not None else \
+        hidden, entered = seq.enter(hidden)
+        return seq.leave(self._body(hidden, seq.is_split(hidden)), entered)
+
+    def _body(self, hidden: torch.Tensor, split: bool) -> torch.Tensor:
+        x = norm(self.layernorm, hidden, split) if self.pre_layernorm and self.layernorm is not None else \
             _compute(hidden, self.dense1.weight)
-        x = self.dropout(self.dense2(_ACTIVATIONS[self.activation](self.dense1(x))))
+        x = seq.dropout(self.dropout, self.dense2(_ACTIVATIONS[self.activation](self.dense1(x, split)), split), split)
         if self.options.parallel_attn_output:
             return x
         out = _residual_add(x, hidden, self.options.fp32_residual_addition)
-        return out if self.pre_layernorm else norm(self.layernorm, out)
+        return out if self.pre_layernorm else norm(self.layernorm, out, split)
 
 
 class DistributedTransformerLayer(RegionModule):
@@ -297,10 +326,14 @@ class DistributedTransformerLayer(RegionModule):
         return self._region(self._forward, hidden, mask)
 
     def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden, entered = seq.enter(hidden)
+        split = seq.is_split(hidden)
         if self.parallel:  # GPT-NeoX: x + attention(LN1(x)) + MLP(LN2(x)); GPT-J: one LN for both
-            mlp_in = norm(self.attention.layernorm, hidden) if self.output.layernorm is None else hidden
-            mlp = self.output(mlp_in)
+            mlp_in = norm(self.attention.layernorm, hidden, split) if self.output.layernorm is None else hidden
+            mlp = self.output(seq.mark(mlp_in) if split else mlp_in)
             attention = self.attention((hidden, mask))
-            return _residual_add(mlp + attention, hidden, self.fp32_residual), mask
-        return self.output(self.attention((hidden, mask))), mask
+            out = _residual_add(mlp + attention, hidden, self.fp32_residual)
+        else:
+            out = self.output(self.attention((hidden, mask)))
+        return seq.leave(out, entered), mask
 

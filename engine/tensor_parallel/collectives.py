@@ -10,14 +10,26 @@ parallel group computes together is exact:
 * ``gather_last_dim`` (all-gather features / keep own features) joins sharded features;
 * ``gather_batch`` / ``slice_batch`` (all-gather rows / keep own rows, and the reverse) implement
   ``prescaled_batch: false``: a tensor-parallel region computes on the group's joined batch and
-  hands each rank back its own rows.
+  hands each rank back its own rows;
+* ``gather_sequence`` / ``reduce_scatter_sequence`` (all-gather along the sequence / reduce-scatter
+  of the gradient, and the reverse) implement ``optimize: memory``'s sequence parallelism: between
+  sublayers each rank holds its own tokens; ``gather_sequence_linear`` is a column-parallel projection
+  of sequence-split input that keeps only this rank's tokens for backward (gathered again there);
+  ``scatter_sequence`` / ``join_sequence`` enter and leave the sequence-split stretch from replicated
+  activations (keep own tokens / all-gather, and the reverse in backward).
+
+The reduce-scatter is an all-reduce followed by keeping this rank's slice (:mod:`comm` offers no
+reduce-scatter; the result and the memory it keeps are a reduce-scatter's, the traffic an all-reduce's).
 
 All traffic goes through :mod:`smp2ds.engine.core.comm`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 from smp2ds.engine.core import comm
 from smp2ds.engine.tensor_parallel.group import TPGroup
@@ -28,12 +40,16 @@ def _all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
-    return torch.cat(comm.all_gather(x, group=tp.handle), dim=dim)
+    return torch.cat(comm.all_gather(x.contiguous(), group=tp.handle), dim=dim)
 
 
 def _own(x: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
     size = x.shape[dim] // tp.size
     return x.narrow(dim, tp.rank * size, size).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
+    return _own(_all_reduce(x, tp), dim, tp)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -57,30 +73,55 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherDim(torch.autograd.Function):
-    """Forward: join every rank's piece along ``dim``; backward: keep this rank's piece."""
+def _dim_pair(name: str, forward: Callable[..., torch.Tensor], backward: Callable[..., torch.Tensor],
+              doc: str) -> type[torch.autograd.Function]:
+    """An autograd function ``(x, dim, tp)`` running ``forward`` on the tensor and ``backward`` on its
+    gradient (each called as ``fn(tensor, dim, tp)``)."""
+
+    def fwd(ctx, x: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
+        ctx.dim, ctx.tp = dim, tp
+        return forward(x, dim, tp)
+
+    def bwd(ctx, grad: torch.Tensor):
+        return backward(grad, ctx.dim, ctx.tp), None, None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd),
+                                                   "__doc__": doc})
+
+
+_GatherDim = _dim_pair("_GatherDim", _gather, _own,
+                       "Forward: join every rank's piece along ``dim``; backward: keep this rank's piece.")
+_OwnDim = _dim_pair("_OwnDim", _own, _gather,
+                    "Forward: keep this rank's piece along ``dim``; backward: join every rank's gradient.")
+_GatherReduceScatter = _dim_pair(
+    "_GatherReduceScatter", _gather, _reduce_scatter,
+    "Forward: all-gather along ``dim``; backward: reduce-scatter (the ranks' partial gradients of the joined "
+    "tensor are summed and each keeps its own piece).")
+_ReduceScatterGather = _dim_pair("_ReduceScatterGather", _reduce_scatter, _gather,
+                                 "Forward: reduce-scatter along ``dim``; backward: all-gather the gradient.")
+
+
+class _GatherLinear(torch.autograd.Function):
+    """``F.linear(all_gather(x, dim), weight, bias)`` saving only this rank's ``x`` for backward, which
+    gathers it again (Megatron's sequence-parallel column projection); the input gradient is
+    reduce-scattered."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.dim, ctx.tp = dim, tp
-        return _gather(x, dim, tp)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int,  # type: ignore[override]
+                tp: TPGroup) -> torch.Tensor:
+        ctx.dim, ctx.tp, ctx.has_bias = dim, tp, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather(x, dim, tp), weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _own(grad, ctx.dim, ctx.tp), None, None
-
-
-class _OwnDim(torch.autograd.Function):
-    """Forward: keep this rank's piece along ``dim``; backward: join every rank's gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.dim, ctx.tp = dim, tp
-        return _own(x, dim, tp)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _gather(grad, ctx.dim, ctx.tp), None, None
+        x, weight = ctx.saved_tensors
+        full = _gather(x, ctx.dim, ctx.tp)
+        grad_x = _reduce_scatter(grad.matmul(weight), ctx.dim, ctx.tp)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_w = flat_grad.t().matmul(full.reshape(-1, full.shape[-1]))
+        grad_b = flat_grad.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -106,3 +147,31 @@ def gather_batch(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 def slice_batch(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """This rank's rows of a joined batch (gradients of all rows are joined in backward)."""
     return x if tp.size == 1 else _OwnDim.apply(x, 0, tp)
+
+
+def gather_sequence(x: torch.Tensor, tp: TPGroup, dim: int = 1) -> torch.Tensor:
+    """All-gather the group's tokens along ``dim``; backward reduce-scatters (sequence parallelism)."""
+    return x if tp.size == 1 else _GatherReduceScatter.apply(x, dim, tp)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, tp: TPGroup, dim: int = 1) -> torch.Tensor:
+    """Sum the group's partial tensors and keep this rank's tokens along ``dim``; backward all-gathers."""
+    return x if tp.size == 1 else _ReduceScatterGather.apply(x, dim, tp)
+
+
+def gather_sequence_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup,
+                           dim: int = 1) -> torch.Tensor:
+    """Column-parallel ``linear`` of the group's joined tokens, keeping only this rank's for backward."""
+    if tp.size == 1:
+        return F.linear(x, weight, bias)
+    return _GatherLinear.apply(x, weight, bias, dim, tp)
+
+
+def scatter_sequence(x: torch.Tensor, tp: TPGroup, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of a replicated tensor; backward all-gathers (enter the sequence-split stretch)."""
+    return x if tp.size == 1 else _OwnDim.apply(x, dim, tp)
+
+
+def join_sequence(x: torch.Tensor, tp: TPGroup, dim: int = 1) -> torch.Tensor:
+    """All-gather the tokens into a replicated tensor; backward keeps own tokens (leave the stretch)."""
+    return x if tp.size == 1 else _GatherDim.apply(x, dim, tp)

@@ -7,11 +7,16 @@ GPT-NeoX's ``query_key_value`` is laid out per head: 1 block) and the head-count
 attention module reads in ``forward``, divided by the degree. The block itself becomes a
 tensor-parallel region (:mod:`region`). Embeddings, final norms and heads stay whole on every rank,
 as SMP's distributed transformer kept them by default (``distribute_embedding: False``).
+
+Blocks sharded in place always run the ``optimize: speed`` layout (hidden states whole on every rank);
+with ``optimize: memory`` :func:`shard_model` warns once that the memory layout (sequence parallelism)
+is SMP's distributed transformer's only (:mod:`smp2ds.engine.nn.sequence_parallel`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -120,7 +125,25 @@ def shard_model(model: torch.nn.Module, tp: TPGroup,
     config = getattr(model, "config", None)
     if config is not None:
         check_divisible(config, tp.size, type(model).__name__)
+    classes = sorted({type(block).__name__ for _, block, _ in found})
     for name, block, rule in found:
         with around(block) if around is not None else contextlib.nullcontext():
             shard_block(block, rule, tp, name)
+    if tp.optimize == "memory":
+        _warn_speed_layout(type(model).__name__, classes)
     return [name for name, _, _ in found]
+
+
+_WARNED: list[bool] = []
+
+
+def _warn_speed_layout(model: str, classes: list[str]) -> None:
+    """Once per process: blocks sharded in place ignore ``optimize: memory``."""
+    if _WARNED:
+        return
+    _WARNED.append(True)
+    warnings.warn(f"optimize: memory applies to SMP's distributed transformer (smp.nn.DistributedTransformer*) "
+                  f"only: {model}'s {', '.join(classes)} blocks, sharded in place under their Hugging Face names, "
+                  "run the speed layout (hidden states whole on every tensor-parallel rank, activations "
+                  "duplicated); build the model inside smp.model_creation(tensor_parallelism=True) with SMP's "
+                  "transformer settings to have GPT-2, GPT-J, GPT-NeoX and BERT replaced by it", stacklevel=2)

@@ -16,6 +16,8 @@ class TPGroup:
     ranks: tuple[int, ...]
     prescaled_batch: bool = False
     """True: the group shares one batch; False: every member brings its own (gathered per region)."""
+    optimize: str = "speed"
+    """SMP's ``optimize``: 'memory' splits the distributed transformer's sequence over the group."""
 
     @property
     def src(self) -> int:
@@ -36,7 +38,7 @@ def current() -> TPGroup:
     tp = state.plan.engine["tensor_parallel"]
     return TPGroup(handle=state.groups.group("tp"), rank=state.groups.coords.tp_rank,
                    size=state.groups.topology.tp, ranks=tuple(state.groups.ranks["tp"]),
-                   prescaled_batch=bool(tp["prescaled_batch"]))
+                   prescaled_batch=bool(tp["prescaled_batch"]), optimize=str(tp.get("optimize") or "speed"))
 
 
 def is_tensor_parallel(module: Any) -> bool:

@@ -1,0 +1,78 @@
+"""Rank bodies for the ``optimize: memory`` (sequence-parallel) tests and bench.
+
+``run`` trains freshly replaced Hugging Face models through :mod:`tests.engine.transformer_workers` (the
+reference there is single-process Hugging Face training) and measures one distributed transformer
+layer's saved activations (:mod:`smp2ds.engine.diagnostics.saved_activations`: each storage autograd keeps
+for backward once, parameters not at all).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from smp2ds.engine.diagnostics.saved_activations import saved_activations
+from tests.engine import transformer_workers as tw
+from tests.engine.train_workers import plain
+
+LAYER = {"num_attention_heads": 4, "attention_head_size": 8, "hidden_size": 32, "intermediate_size": 128,
+         "attention_dropout_prob": 0.1, "hidden_dropout_prob": 0.1, "causal_mask_size": 16,
+         "pre_layernorm": True, "post_layernorm": False}
+"""A GPT-2-like pre-layernorm layer (dropout on, so masks are among the saved tensors)."""
+
+
+def measure(smp: Any, n: int, seq: int, layers: int = 1) -> dict:
+    """Saved activations (``saved``: ``(shape, bytes)`` per storage) of ``smp.nn.DistributedTransformer``
+    (``layers`` x ``LAYER``) on this rank's ``[n, seq, hidden]`` batch, and its output
+    shape (the running config picks speed or memory)."""
+    torch.manual_seed(0)
+    module = smp.nn.DistributedTransformer(num_layers=layers, **LAYER)
+    module.train()
+    hidden = torch.randn(n, seq, LAYER["hidden_size"], generator=torch.Generator().manual_seed(smp.rank()),
+                         requires_grad=True)
+    saved, out = saved_activations(lambda: module((hidden, None))[0], module.parameters())
+    out.float().square().mean().backward()
+    return {"saved": saved, "out_shape": tuple(out.shape)}
+
+
+def refusal(smp: Any, seq: int) -> str:
+    """The message a sequence length not divisible by the degree gets (memory layout)."""
+    module = smp.nn.DistributedTransformer(num_layers=1, **LAYER)
+    try:
+        module((torch.randn(2, seq, LAYER["hidden_size"]), None))
+    except Exception as exc:  # noqa: BLE001 - the message goes to the test
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def dropout_masks(smp: Any) -> dict:
+    """Sequence-split dropout drawn twice from the same state of the group's stream (as a checkpoint
+    recomputation does)."""
+    from smp2ds.engine.nn import sequence_parallel as seq
+    from smp2ds.engine.tensor_parallel import rng
+
+    drop, x = torch.nn.Dropout(0.5), torch.ones(2, 8, 16)
+    with rng.region_stream():
+        state = torch.get_rng_state()
+        first = seq.dropout(drop, x, True)
+        torch.set_rng_state(state)
+        again = seq.dropout(drop, x, True)
+    return {"first": first, "again": again}
+
+
+def run(config: dict, phases: list[dict], b: int, n: int = 2, seq: int = 16) -> dict:
+    """Train ``phases`` (transformer_workers), then measure saved activations and the refusal."""
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(config)
+    results = []
+    for phase in phases:
+        smp.reset()
+        results.append(tw._train(smp, phase, b))
+    smp.reset()
+    out = {"phases": results, "optimize": smp.state.plan.engine["tensor_parallel"]["optimize"],
+           "one_layer": measure(smp, n, seq, 1), "two_layers": measure(smp, n, seq, 2),
+           "refusal": refusal(smp, seq - 1), "dropout": dropout_masks(smp)}
+    smp.barrier()
+    return plain(out)
