@@ -15,8 +15,9 @@ same processes, each MiCS run next to its ZeRO-3 competitor):
 * ``zero3``: DeepSpeed ZeRO-3 over all N = 4 ranks (the competitor), accumulation 1 and 4;
 * ``mics``: MiCS with S = 2 = ranks per node (R = 2 replicas), accumulation 1 and 4; its replica
   all-reduce starts per reduce-scatter bucket during the last backward (engine/mics/overlap.py);
-* ``mics-sync``: the same with that all-reduce run only at the optimizer step, accumulation 1
-  (the overlap's effect on its own);
+* ``mics-ab``: the overlap's effect on its own: two MiCS engines (gas 1), one overlapping, one
+  running that all-reduce only at the optimizer step, their steps alternating (2 x ``--steps``
+  pairs) so that changing load hits both alike;
 * ``mics-hier`` / ``mics-flat``: MiCS with S = 4 (one shard group spanning both nodes) with the
   hierarchical all-gather (``sdp_hierarchical_allgather``) on / off, accumulation 1: the
   hierarchical all-gather's effect on its own.
@@ -60,7 +61,7 @@ TARGETS = {1: 0.50, 4: 0.30}  # MiCS / ZeRO-3 step time, by accumulation
 _GATHERS = ("all_gather_into_tensor", "_all_gather_base", "all_gather")
 # Variants (family:accumulation), run one after another in the same processes, each pair of
 # competitors next to each other so that changing load on the machine hits both alike.
-VARIANTS = ("zero3:1", "mics:1", "mics-sync:1", "zero3:4", "mics:4", "mics-flat:1", "mics-hier:1")
+VARIANTS = ("zero3:1", "mics:1", "mics-ab:1", "zero3:4", "mics:4", "mics-flat:1", "mics-hier:1")
 
 
 # ------------------------------------------------------------------------------- worker side
@@ -108,23 +109,31 @@ def _worker(opts: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(opts.micro, opts.hidden, generator=g), torch.randn(opts.micro, opts.hidden, generator=g)
     results = []
-    for variant in opts.variants:
-        family, gas = variant.split(":")[0], int(variant.split(":")[1])
+
+    def build(family: str, gas: int):
         torch.manual_seed(0)
         layers = []
         for _ in range(opts.layers):
             layers += [torch.nn.Linear(opts.hidden, opts.hidden), torch.nn.Tanh()]
         model = torch.nn.Sequential(*layers)
-        numel = sum(p.numel() for p in model.parameters())
+        numel = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
         engine = _engine(family, gas, opts, model, world, per_node)
 
         def optimizer_step(engine=engine, gas=gas) -> None:
             for _ in range(gas):
                 engine.backward(torch.nn.functional.mse_loss(engine(x), y))
                 engine.step()
-
         for _ in range(opts.warmup):
             optimizer_step()
+        return engine, optimizer_step, numel
+
+    for variant in opts.variants:
+        family, gas = variant.split(":")[0], int(variant.split(":")[1])
+        if family == "mics-ab":
+            results.append({"variant": variant, **_paired(build, opts.steps * 2, dist)})
+            continue
+        engine, optimizer_step, numel = build(family, gas)
+
         counter, times, cpu = comm_counter.CommCounter(), [], []
         wire0 = _wire_bytes(veth) if veth else 0
         with counter:
@@ -144,7 +153,7 @@ def _worker(opts: argparse.Namespace) -> None:
                         "fraction": stats["fraction"], "M": numel * 4,
                         "syncs": getattr(engine.optimizer, "mics_replica_syncs", None),
                         "overlapped": _overlapped_fraction(engine.optimizer)})
-        del engine, optimizer_step, model
+        del engine, optimizer_step
         mics.uninstall_hierarchical_allgather()
         gc.collect()
     everyone: list = [None] * world
@@ -154,6 +163,20 @@ def _worker(opts: argparse.Namespace) -> None:
             json.dump(everyone, fh)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _paired(build, steps: int, dist) -> dict:
+    """MiCS gas 1 with the replica all-reduce overlapped ("on") and at step ("off"), two engines
+    whose steps alternate on, off, off, on, ... so that changing load hits both alike."""
+    engines = {"on": build("mics", 1)[1], "off": build("mics-sync", 1)[1]}
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for k in range(steps):
+        for name in ("on", "off") if k % 2 == 0 else ("off", "on"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            engines[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {"times_" + name: t for name, t in times.items()}
 
 
 def _overlapped_fraction(opt) -> float:
@@ -214,6 +237,14 @@ def _launch(variants: tuple[str, ...], opts: argparse.Namespace, net: Namespaces
     summary = {}
     for i, variant in enumerate(variants):
         rows = [r[i] for r in per_rank]
+        if variant.startswith("mics-ab:"):
+            slowest = {n: [max(r["times_" + n][k] for r in rows) for k in range(len(rows[0]["times_" + n]))]
+                       for n in ("on", "off")}
+            summary[("mics-ab", 1)] = {n + "_s": statistics.median(t) for n, t in slowest.items()}
+            summary[("mics-ab", 1)]["pair_ratio"] = statistics.median(
+                a / b for a, b in zip(slowest["on"], slowest["off"]))
+            summary[("mics-ab", 1)]["pairs"] = len(slowest["on"])
+            continue
         steps = [max(r["times"][k] for r in rows) for k in range(opts.steps)]  # slowest rank per step
         family, gas = variant.split(":")
         summary[(family, int(gas))] = {
@@ -293,13 +324,14 @@ def _report(res: dict, shaped: bool, rate: str) -> bool:
 
 
 def _report_overlap(res: dict) -> None:
-    on, off = res[("mics", 1)], res[("mics-sync", 1)]
+    ab = res[("mics-ab", 1)]
     print(f"\n== replica all-reduce overlapped with backward (MiCS S = {PER_NODE}) ==")
     for gas in (1, 4):
         print(f"  mics gas {gas}: {res[('mics', gas)]['overlapped']:.0%} of the replica all-reduce's elements "
               "issued during backward, per reduce-scatter bucket (the rest at step)")
-    print(f"  gas 1: overlapped {on['step_s']:.3f} s vs synchronous (all-reduce at step) {off['step_s']:.3f} s -> "
-          f"{on['step_s'] / off['step_s']:.3f} (reported, no target)")
+    print(f"  gas 1, {ab['pairs']} alternating step pairs: overlapped {ab['on_s']:.3f} s vs synchronous (all-reduce "
+          f"at step) {ab['off_s']:.3f} s (medians); median per-pair ratio {ab['pair_ratio']:.3f} (reported, "
+          "no target)")
 
 
 def _report_hierarchical(res: dict, shaped: bool) -> None:
