@@ -76,3 +76,55 @@ def run(config: dict, phases: list[dict], b: int, n: int = 2, seq: int = 16) -> 
            "refusal": refusal(smp, seq - 1), "dropout": dropout_masks(smp)}
     smp.barrier()
     return plain(out)
+
+
+def pipeline_run(config: dict, phase: dict, b: int) -> dict:
+    """Train a replaced Hugging Face model with pipeline stages (the model runs only inside ``@smp.step``):
+    losses and full weights under Hugging Face names, as :func:`tests.engine.transformer_workers._train`,
+    and the shapes of the tensors autograd saved during the steps."""
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(config)
+    with smp.model_creation(tensor_parallelism=True, **tw.SETTINGS):
+        net = tw.hf_of(phase)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(tw.make_optimizer(phase["optimizer"], model.parameters()))
+    rank, ranks = smp.dp_rank(), smp.dp_size()
+    mine = slice(rank * b, (rank + 1) * b)
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, attention_mask=mask, labels=tw.labels_of(ids, mask))["loss"]
+        model.backward(loss)
+        return loss
+
+    losses, saved = [], []
+    for step in range(phase["steps"]):
+        ids, mask = tw.batch(step, ranks * b)
+        shapes, out = saved_activations(lambda i=ids, m=mask: train_step(model, i[mine], m[mine]), model.parameters())
+        saved += [shape for shape, _ in shapes]
+        losses.append(out.reduce_mean().item())
+        opt.step()
+        opt.zero_grad()
+    weights = {k: v.clone() for k, v in tw.to_hf_names(phase, model.state_dict()).items()}
+    smp.barrier()
+    return plain({"losses": losses, "weights": weights, "data_rank": rank, "data_ranks": ranks, "saved": saved})
+
+
+def micro_reference(phase: dict, ranks: int, b: int, micro: int) -> dict:
+    """Single-process Hugging Face training where each rank's loss is the mean of its ``micro``
+    micro-batches' losses (what a pipelined ``@smp.step`` returns) and the step averages the ranks."""
+    model = tw.hf_of(phase)
+    opt = tw.make_optimizer(phase["optimizer"], model.parameters())
+    rows, losses = b // micro, []
+    for step in range(phase["steps"]):
+        ids, mask = tw.batch(step, ranks * b)
+        labels = tw.labels_of(ids, mask)
+        per_rank = [torch.stack([model(input_ids=ids[s], attention_mask=mask[s], labels=labels[s]).loss
+                                 for s in (slice(r * b + m * rows, r * b + (m + 1) * rows) for m in range(micro))]
+                                ).mean() for r in range(ranks)]
+        losses.append([x.item() for x in per_rank])
+        torch.stack(per_rank).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
