@@ -61,17 +61,42 @@ def dropout_masks(smp: Any) -> dict:
     return {"first": first, "again": again}
 
 
+DIRECT = {
+    "gpt2_vocab_parallel": {"pre_layernorm": True, "post_layernorm": False, "causal_mask_size": 16,
+                            "distribute_embedding": True},
+    "bert_fp32_residual": {"num_token_types": 2, "fp32_residual_addition": True, "use_lm_head_bias": True},
+}
+"""``smp.nn.DistributedTransformerLMHead`` settings trained directly (dropout 0) in both layouts."""
+
+
+def direct(smp: Any) -> dict:
+    """Loss and this rank's gradients of one step of each ``DIRECT`` model (fresh weights, same data)."""
+    out = {}
+    for name, settings in DIRECT.items():
+        model = smp.nn.DistributedTransformerLMHead(
+            num_layers=2, num_attention_heads=4, attention_head_size=4, hidden_size=16, intermediate_size=64,
+            vocab_size=tw.VOCAB, num_positions=16, attention_dropout_prob=0.0, hidden_dropout_prob=0.0,
+            embedding_dropout_prob=0.0, **settings)
+        ids, mask = tw.batch(50 + smp.rank(), 2)
+        token_types = (ids % 2) if settings.get("num_token_types") else None
+        loss, _ = model((ids, 1 - mask, token_types, None, tw.labels_of(ids, mask)))
+        loss.backward()
+        out[name] = {"loss": loss.detach(), "grads": {k: p.grad for k, p in model.named_parameters()}}
+    return out
+
+
 def run(config: dict, phases: list[dict], b: int, n: int = 2, seq: int = 16) -> dict:
     """Train ``phases`` (transformer_workers), then measure saved activations and the refusal."""
     import smdistributed.modelparallel.torch as smp
 
     smp.init(config)
+    first = direct(smp)  # before anything else draws fresh weights: both layouts build the same models
     results = []
     for phase in phases:
         smp.reset()
         results.append(tw._train(smp, phase, b))
     smp.reset()
-    out = {"phases": results, "optimize": smp.state.plan.engine["tensor_parallel"]["optimize"],
+    out = {"phases": results, "direct": first, "optimize": smp.state.plan.engine["tensor_parallel"]["optimize"],
            "one_layer": measure(smp, n, seq, 1), "two_layers": measure(smp, n, seq, 2),
            "refusal": refusal(smp, seq - 1), "dropout": dropout_masks(smp)}
     smp.barrier()

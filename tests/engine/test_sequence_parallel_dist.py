@@ -59,6 +59,21 @@ def test_memory_layout_trains_like_single_process_hugging_face(runs):
 
 
 @pytest.mark.slow
+def test_memory_layout_equals_speed_layout_for_a_split_vocabulary_and_fp32_residuals(runs):
+    """``smp.nn.DistributedTransformerLMHead`` used directly: vocab-parallel loss (pre-layernorm), and
+    post-layernorm with token types, an LM-head bias and an fp32 residual stream."""
+    for mem, speed in zip(runs["memory"], runs["speed"]):
+        assert set(mem["direct"]) == set(sw.DIRECT)
+        for name, got in mem["direct"].items():
+            want = speed["direct"][name]
+            np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5, err_msg=name)
+            assert set(got["grads"]) == set(want["grads"])
+            for key, grad in want["grads"].items():
+                assert np.abs(grad).sum() > 0, f"{name} {key}"
+                np.testing.assert_allclose(got["grads"][key], grad, rtol=1e-4, atol=1e-6, err_msg=f"{name} {key}")
+
+
+@pytest.mark.slow
 def test_memory_layout_with_dropout_keeps_replicated_parameters_equal(runs):
     """Each rank's layer norms see only its tokens: their gradients are summed over the group, so the
     replicas stay equal while training with dropout moves them."""
