@@ -120,9 +120,10 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
            "the hidden states whole on every tensor-parallel rank; memory splits them along the sequence "
            "between sublayers (Megatron-style sequence parallelism: layer norms, dropout and residual adds on "
            "1/tp of the tokens, all-gather before and reduce-scatter after the split projections; the sequence "
-           "length must be divisible by tensor_parallel_degree). Hugging Face blocks sharded in place under "
-           "their own names and smp.nn.DistributedLinear run the speed layout whatever the value (a warning "
-           "says so when memory is asked for)", "tp_runs"),
+           "length must be divisible by tensor_parallel_degree; explain's tensor-parallel traffic figures are the "
+           "speed layout's). Hugging Face blocks sharded in place under their own names (a warning says so "
+           "when memory is asked for) and smp.nn.DistributedLinear run the speed layout whatever the value",
+           "tp_runs"),
         _r("ignored", None, "only matters with tensor parallelism, and this plan runs none "
            "(tensor_parallel_degree is 1 or refused)"),
     ),
