@@ -7,7 +7,8 @@ started; ``wait``: waited on in ``step``) and markers the test adds: the start o
 micro-batch, the backward pre-hook of the first layer (the last layer backward reaches),
 ``engine.backward`` returning and ``engine.step`` returning. Final weights are compared between
 the overlapped and the synchronous path (``overlap=False``: bit-identical with R = 2) and with
-a single-process plain-PyTorch run on the union of the ranks' data (Adam, fp32).
+a single-process plain-PyTorch run on the union of the ranks' data (Adam, fp32). A last pair of
+runs calls backward twice before each step: the first backward's all-reduces must be dropped.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _data(gas: int):
             torch.randn(STEPS, WORLD, gas, MICRO, SIZES[-1], generator=g))
 
 
-def _reference(gas: int, clip: float) -> dict:
+def _reference(gas: int, clip: float, backwards: int = 1) -> dict:
     import torch
 
     model = _model()
@@ -50,14 +51,16 @@ def _reference(gas: int, clip: float) -> dict:
     x, y = _data(gas)
     for s in range(STEPS):
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[s].reshape(-1, SIZES[0])), y[s].reshape(-1, SIZES[-1])).backward()
+        for _ in range(backwards):
+            torch.nn.functional.mse_loss(model(x[s].reshape(-1, SIZES[0])), y[s].reshape(-1, SIZES[-1])).backward()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(gas: int, clip: float, overlap: bool) -> dict:
+def _train(gas: int, clip: float, overlap: bool, backwards: int = 1) -> dict:
+    """``backwards`` > 1: the boundary micro-batch is run backward that many times before step."""
     import torch
 
     from smp2ds.engine import mics
@@ -77,8 +80,9 @@ def _train(gas: int, clip: float, overlap: bool) -> dict:
     for s in range(STEPS):
         for m in range(gas):
             log.append(("micro-start", m))
-            engine.backward(torch.nn.functional.mse_loss(engine(x[s, rank, m]), y[s, rank, m]))
-            log.append(("backward-returned", m))
+            for _ in range(backwards if m == gas - 1 else 1):
+                engine.backward(torch.nn.functional.mse_loss(engine(x[s, rank, m]), y[s, rank, m]))
+                log.append(("backward-returned", m))
             engine.step()
         log.append(("step-returned", s))
     # numpy, not tensors: torch's shared-memory pickling breaks when the rank exits first
@@ -91,8 +95,10 @@ def _train(gas: int, clip: float, overlap: bool) -> dict:
 
 def _worker() -> dict:
     _init_dist()
-    return {(gas, overlap): _train(gas, clip, overlap)
+    runs = {(gas, overlap): _train(gas, clip, overlap)
             for gas, clip in ((1, 0.0), (2, 0.05)) for overlap in (True, False)}
+    runs.update({("twice", overlap): _train(1, 0.0, overlap, backwards=2) for overlap in (True, False)})
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +159,25 @@ def test_overlapped_weights_equal_synchronous_path_and_plain_pytorch(runs, gas, 
             assert torch.equal(on[k], off[k]), (rank, k, (on[k] - off[k]).abs().max())
             torch.testing.assert_close(on[k], ref[k], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {k}")
             assert not torch.equal(on[k], _model().state_dict()[k]), f"{k} did not train"
+
+
+@pytest.mark.slow
+def test_a_second_backward_before_step_drops_the_first_ones_all_reduces(runs):
+    """Two backwards before one step (gradients accumulate): the all-reduces issued in the first
+    are dropped when the second begins (``backward_prologue``), the second's cover everything."""
+    import torch
+
+    ref = _reference(1, 0.0, backwards=2)
+    layers = len(SIZES) - 1
+    for rank, per_rank in enumerate(runs):
+        on, off = per_rank[("twice", True)], per_rank[("twice", False)]
+        for events in _steps(on["log"]):
+            names = [e[0] for e in events]
+            second = names.index("backward-returned")
+            assert names[:second].count("issue") == layers and names[second:].count("issue") == layers, names
+            assert names.count("wait") == layers and names.index("wait") > names.index("backward-returned", second + 1)
+        assert on["async_elements"] == STEPS * on["partition"] and on["sync_elements"] == 0
+        for k in ref:
+            a, b = torch.from_numpy(on["weights"][k]), torch.from_numpy(off["weights"][k])
+            assert torch.equal(a, b), (rank, k)
+            torch.testing.assert_close(a, ref[k], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {k}")
