@@ -78,7 +78,7 @@ class ParallelDense(torch.nn.Module):
     def forward(self, x: torch.Tensor, sequence_split: bool = False) -> torch.Tensor:
         if self.mode == "column":
             if sequence_split:
-                return gather_sequence_linear(x, self.weight, self.bias, self.tp)
+                return gather_sequence_linear(x, [(self.weight, self.bias)], self.tp)[0]
             return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
         if sequence_split:
             y = reduce_scatter_sequence(F.linear(x, self.weight), self.tp)
@@ -221,7 +221,12 @@ class DistributedAttentionLayer(RegionModule):
     def _body(self, hidden: torch.Tensor, mask: torch.Tensor | None, split: bool) -> torch.Tensor:
         o = self.options
         x = norm(self.layernorm, hidden, split) if self.pre_layernorm else _compute(hidden, self.layernorm.weight)
-        q, k, v = (self._heads(proj(x, split)) for proj in (self.query, self.key, self.value))
+        projections = (self.query, self.key, self.value)
+        if split:  # one all-gather of the tokens for the three projections
+            qkv = gather_sequence_linear(x, [(p.weight, p.bias) for p in projections], self.query.tp)
+        else:
+            qkv = tuple(proj(x) for proj in projections)
+        q, k, v = (self._heads(t) for t in qkv)
         if o.rotary_dim:
             q, k = (_rotary(t, o.rotary_dim, o.rotary_emb_base, o.gpt_neox_type_rotary) for t in (q, k))
         in_fp32 = o.attention_in_fp32 or o.query_key_layer_scaling

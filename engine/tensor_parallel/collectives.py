@@ -13,8 +13,8 @@ parallel group computes together is exact:
   hands each rank back its own rows;
 * ``gather_sequence`` / ``reduce_scatter_sequence`` (all-gather along the sequence / reduce-scatter
   of the gradient, and the reverse) implement ``optimize: memory``'s sequence parallelism: between
-  sublayers each rank holds its own tokens; ``gather_sequence_linear`` is a column-parallel projection
-  of sequence-split input that keeps only this rank's tokens for backward (gathered again there);
+  sublayers each rank holds its own tokens; ``gather_sequence_linear`` is one or more column-parallel
+  projections of sequence-split input that keeps only this rank's tokens for backward (gathered again there);
   ``scatter_sequence`` / ``join_sequence`` enter and leave the sequence-split stretch from replicated
   activations (keep own tokens / all-gather, and the reverse in backward).
 
@@ -26,7 +26,7 @@ All traffic goes through :mod:`smp2ds.engine.core.comm`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -102,26 +102,29 @@ _ReduceScatterGather = _dim_pair("_ReduceScatterGather", _reduce_scatter, _gathe
 
 
 class _GatherLinear(torch.autograd.Function):
-    """``F.linear(all_gather(x, dim), weight, bias)`` saving only this rank's ``x`` for backward, which
-    gathers it again (Megatron's sequence-parallel column projection); the input gradient is
-    reduce-scattered."""
+    """``F.linear(all_gather(x, dim), w_i, b_i)`` for every ``(w_i, b_i)`` pair given flat after ``x``, ``dim``
+    and ``tp`` (one gather for all of them), saving only this rank's ``x`` for backward, which gathers it
+    again (Megatron's sequence-parallel column projection); the input gradient is reduce-scattered."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int,  # type: ignore[override]
-                tp: TPGroup) -> torch.Tensor:
-        ctx.dim, ctx.tp, ctx.has_bias = dim, tp, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(_gather(x, dim, tp), weight, bias)
+    def forward(ctx, x: torch.Tensor, dim: int, tp: TPGroup, *params: torch.Tensor | None):  # type: ignore[override]
+        ctx.dim, ctx.tp, ctx.has_bias = dim, tp, [b is not None for b in params[1::2]]
+        weights = params[0::2]
+        ctx.save_for_backward(x, *weights)
+        full = _gather(x, dim, tp)
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, params[1::2]))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
         full = _gather(x, ctx.dim, ctx.tp)
-        grad_x = _reduce_scatter(grad.matmul(weight), ctx.dim, ctx.tp)
-        flat_grad = grad.reshape(-1, grad.shape[-1])
-        grad_w = flat_grad.t().matmul(full.reshape(-1, full.shape[-1]))
-        grad_b = flat_grad.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None
+        flat_full = full.reshape(-1, full.shape[-1])
+        grad_full = sum(g.matmul(w) for g, w in zip(grads, weights))
+        out: list[torch.Tensor | None] = [_reduce_scatter(grad_full, ctx.dim, ctx.tp), None, None]
+        for g, has_bias in zip(grads, ctx.has_bias):
+            flat = g.reshape(-1, g.shape[-1])
+            out += [flat.t().matmul(flat_full), flat.sum(0) if has_bias else None]
+        return tuple(out)
 
 
 def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -159,12 +162,13 @@ def reduce_scatter_sequence(x: torch.Tensor, tp: TPGroup, dim: int = 1) -> torch
     return x if tp.size == 1 else _ReduceScatterGather.apply(x, dim, tp)
 
 
-def gather_sequence_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup,
-                           dim: int = 1) -> torch.Tensor:
-    """Column-parallel ``linear`` of the group's joined tokens, keeping only this rank's for backward."""
+def gather_sequence_linear(x: torch.Tensor, pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]], tp: TPGroup,
+                           dim: int = 1) -> tuple[torch.Tensor, ...]:
+    """Column-parallel ``linear`` of the group's joined tokens for each ``(weight, bias)`` of ``pairs`` (one
+    all-gather for all), keeping only this rank's tokens for backward."""
     if tp.size == 1:
-        return F.linear(x, weight, bias)
-    return _GatherLinear.apply(x, weight, bias, dim, tp)
+        return tuple(F.linear(x, w, b) for w, b in pairs)
+    return _GatherLinear.apply(x, dim, tp, *(t for pair in pairs for t in pair))
 
 
 def scatter_sequence(x: torch.Tensor, tp: TPGroup, dim: int = 1) -> torch.Tensor:

@@ -61,6 +61,22 @@ def dropout_masks(smp: Any) -> dict:
     return {"first": first, "again": again}
 
 
+def collective_pairs(smp: Any) -> dict:
+    """``gather_sequence`` (all-gather / reduce-scatter) and ``reduce_scatter_sequence`` (the reverse) on
+    rank-dependent tensors, with the gradients of a weighted sum (weights equal on every rank)."""
+    from smp2ds.engine.tensor_parallel import group as tp_group
+    from smp2ds.engine.tensor_parallel.collectives import gather_sequence, reduce_scatter_sequence
+
+    tp, weight = tp_group.current(), torch.arange(48.0).reshape(2, 8, 3)
+    mine = torch.full((2, 4, 3), float(smp.rank() + 1), requires_grad=True)
+    joined = gather_sequence(mine, tp)
+    (joined * weight).sum().backward()
+    whole = (torch.arange(48.0).reshape(2, 8, 3) * (smp.rank() + 1)).requires_grad_()
+    part = reduce_scatter_sequence(whole, tp)
+    (part * weight[:, tp.rank * 4:(tp.rank + 1) * 4]).sum().backward()
+    return {"joined": joined.detach(), "gather_grad": mine.grad, "part": part.detach(), "scatter_grad": whole.grad}
+
+
 DIRECT = {
     "gpt2_vocab_parallel": {"pre_layernorm": True, "post_layernorm": False, "causal_mask_size": 16,
                             "distribute_embedding": True},
@@ -98,7 +114,8 @@ def run(config: dict, phases: list[dict], b: int, n: int = 2, seq: int = 16) -> 
     smp.reset()
     out = {"phases": results, "direct": first, "optimize": smp.state.plan.engine["tensor_parallel"]["optimize"],
            "one_layer": measure(smp, n, seq, 1), "two_layers": measure(smp, n, seq, 2),
-           "refusal": refusal(smp, seq - 1), "dropout": dropout_masks(smp)}
+           "refusal": refusal(smp, seq - 1), "dropout": dropout_masks(smp),
+           "collectives": collective_pairs(smp)}
     smp.barrier()
     return plain(out)
 

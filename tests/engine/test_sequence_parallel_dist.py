@@ -139,3 +139,16 @@ def test_memory_layout_in_pipeline_stages_trains_like_single_process_hugging_fac
         np.testing.assert_allclose(got["losses"], [step[got["data_rank"]] for step in ref["losses"]], rtol=1e-4)
         for key, want in ref["weights"].items():
             np.testing.assert_allclose(got["weights"][key], want.numpy(), rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.slow
+def test_sequence_collectives_are_conjugate_pairs(runs):
+    """all-gather forward / reduce-scatter backward, and reduce-scatter forward / all-gather backward."""
+    weight = np.arange(48.0).reshape(2, 8, 3)
+    whole_sum = weight * (1 + 2)  # rank r holds arange * (r + 1)
+    for rank, r in enumerate(runs["memory"]):
+        got, own = r["collectives"], slice(rank * 4, (rank + 1) * 4)
+        np.testing.assert_array_equal(got["joined"], np.concatenate([np.full((2, 4, 3), 1.0), np.full((2, 4, 3), 2.0)], 1))
+        np.testing.assert_array_equal(got["gather_grad"], TP * weight[:, own])  # every rank's gradient, summed
+        np.testing.assert_array_equal(got["part"], whole_sum[:, own])
+        np.testing.assert_array_equal(got["scatter_grad"], weight)  # every rank's piece of the gradient, joined
