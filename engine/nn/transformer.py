@@ -7,7 +7,9 @@ head are replicated on every tensor-parallel rank (SMP's ``distribute_embedding=
 loss is computed outside the module's tensor-parallel region, on this rank's own rows; with
 ``distribute_embedding=True`` (tp > 1) the vocabulary is split and the loss is a vocab-parallel
 cross-entropy computed inside the region (:mod:`vocab_head`). The layers are split Megatron-style
-(:mod:`transformer_layers`).
+(:mod:`transformer_layers`); with ``optimize: memory`` the stack splits its hidden states along the
+sequence on entry and joins them on exit (:mod:`sequence_parallel`), so embeddings and the head see
+whole sequences in both layouts.
 
 Forward contracts (SMP's):
 
