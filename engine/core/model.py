@@ -183,6 +183,13 @@ class DistributedModel(torch.nn.Module):
             self._run_hooks(self._post_step_hooks)  # SMP fires post-step hooks once, after the first step
         return outputs
 
+    def ends_accumulation(self) -> bool:
+        """True while the last micro-batch of an ``@smp.step`` call runs whose gradients the next
+        ``optimizer.step()`` uses (``backward_passes_per_step`` reached): DeepSpeed's accumulation
+        boundary, which lets a backend start communication during that backward."""
+        return (state.in_step and state.microbatch == self._count.mb_count - 1
+                and self._count.calls_since_sync + 1 >= self.backward_passes_per_step)
+
     def _optimizer_stepped(self) -> None:
         self._count.calls_since_sync = 0
 

@@ -36,6 +36,29 @@ class MicsBackend(DataParallelBackend):
     def optimizer_state_is_sharded(self) -> bool:
         return True
 
+    _step_model: Any = None
+
+    def run_step(self, model: Any, step_fn: Any, args: tuple, kwargs: dict) -> list[Any]:
+        self._step_model = model
+        try:
+            return super().run_step(model, step_fn, args, kwargs)
+        finally:
+            self._step_model = None
+
+    def backward(self, loss: Any) -> None:
+        """The step's last backward before ``optimizer.step()`` runs as DeepSpeed's accumulation
+        boundary, so the replica all-reduce overlaps it (:mod:`smp2ds.engine.mics.overlap`); other
+        backwards keep the boundary off (their partitions are not final)."""
+        model = self._step_model
+        boundary = model is not None and self.engine is not None and model.ends_accumulation()
+        if boundary:
+            self.engine.set_gradient_accumulation_boundary(True)
+        try:
+            super().backward(loss)
+        finally:
+            if boundary:
+                self.engine.set_gradient_accumulation_boundary(False)
+
     def param_shard_rank(self) -> int:
         # Position inside this rank's shard group (SMP's param_shard_rank), not the index of its shard group.
         return self.groups.layout.shard_rank

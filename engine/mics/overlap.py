@@ -26,8 +26,9 @@ A copy is dropped when its partition may have changed after it was taken: the pa
 reduced again in the same window (a second backward before ``step``, reentrant checkpointing),
 a new backward begins before ``step`` (``backward_prologue``), or a gradient is set through
 DeepSpeed's ``set_local_grad_for_param`` / ``set_fp32_grad_for_param``. Backwards that are not
-marked as the boundary (SMP's ``@smp.step`` path forces the boundary only at ``step``; DeepSpeed's
-unmanaged accumulation) issue nothing and keep the synchronous path.
+marked as the boundary (in SMP's ``@smp.step`` path every backward but the step's last micro-batch
+before ``optimizer.step()``, see ``MicsBackend.backward``; DeepSpeed's unmanaged accumulation)
+issue nothing and keep the synchronous path.
 
 Cost: from the first bucket of the boundary backward until ``step``, a copy of the partitions
 issued so far (at most this rank's gradient partition, 1/S of the gradients) in the gradient

@@ -3,7 +3,8 @@
 An SMP-style script body (smp.init with sharded_data_parallel_degree=2 and
 delayed_parameter_initialization, smp.delay_param_initialization(), DistributedModel,
 DistributedOptimizer, @smp.step with 2 micro-batches) on 4 ranks must give the weights of a
-single-process PyTorch run on the union of the data, with sdp_gradient_clipping active.
+single-process PyTorch run on the union of the data, with sdp_gradient_clipping active; the replica
+all-reduce runs during the last micro-batch's backward of each step (the overlapped path), not at step.
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ def _smp_script() -> tuple[list[bool], dict, tuple[int, int], float, float]:
     train_step(model, x[0, smp.dp_rank()], y[0, smp.dp_rank()])
     opt.step()
     after_step_moved = max((model.state_dict()[k] - v).abs().max().item() for k, v in initial.items())
-    return born, trained, shard_coords, loaded_err, after_step_moved
+    # the replica all-reduce overlapped the last micro-batch's backward of every step (engine/mics/overlap.py)
+    ds = model.backend.ds_optimizer
+    overlap = {"async": ds.mics_overlap.async_elements, "sync": ds.mics_sync_elements,
+               "partition": int(ds.grad_partitions_flat_buffer.numel()), "steps": STEPS + 1}
+    return born, trained, shard_coords, loaded_err, after_step_moved, overlap
 
 
 @pytest.mark.slow
@@ -87,7 +92,9 @@ def test_smp_script_with_delayed_sharded_parameters_matches_single_process():
         opt.step()
     ref = net.state_dict()
     initial = _net().state_dict()
-    for rank, (born, sd, shard_coords, loaded_err, moved) in enumerate(results):
+    for rank, (born, sd, shard_coords, loaded_err, moved, overlap) in enumerate(results):
+        # every element was averaged over the replicas while backward ran, none at optimizer.step()
+        assert overlap["async"] == overlap["steps"] * overlap["partition"] and overlap["sync"] == 0, overlap
         assert all(born), f"rank {rank}: parameters were not created partitioned over the shard group"
         # Shard groups are [0, 1] and [2, 3]: the rank inside the group, and its size.
         assert shard_coords == (rank % 2, 2), rank
