@@ -6,8 +6,8 @@ parallelism over the reduced-data-parallel group and, with ``pipeline_parallel_d
 pipeline stages (its topology's model axis is the tensor-parallel group), or ZeRO-3 / MiCS over
 shard groups with ``sharded_data_parallel_degree`` > 1. One combination is not implemented and is
 refused (the keymap's reason and ``smp.init``'s message): tensor parallelism with sharded data
-parallelism and ``prescaled_batch: false``. The DeepSpeed ``tensor_parallel`` (AutoTP) block stays empty: the
-engine's sharding is not DeepSpeed's AutoTP.
+parallelism and ``prescaled_batch: false``. The DeepSpeed ``tensor_parallel`` (AutoTP) block stays
+empty: the engine's sharding is not DeepSpeed's AutoTP.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Choose the backend for a ``DistributedModel`` from the Plan (never from the raw config).
 
-* ``plan.engine.pipeline.enabled``: :class:`smp2ds.engine.pipeline.backend.PipelineBackend`;
+* ``plan.engine.pipeline.enabled``: :class:`smp2ds.engine.pipeline.backend.PipelineBackend` (with
+  tensor parallelism too: it shards the model over each stage's tensor-parallel group,
+  :mod:`smp2ds.engine.tensor_parallel.stages`);
 * ``plan.engine.tensor_parallel.enabled``: :mod:`smp2ds.engine.tensor_parallel.backend` (tensor
-  parallelism with DDP or ZeRO-1 over the reduced-data-parallel group; with pipelines ``smp.init``
-  refuses it, with the Plan's reason); with ``mics`` also enabled
+  parallelism with DDP or ZeRO-1 over the reduced-data-parallel group); with ``mics`` also enabled
   :class:`smp2ds.engine.tensor_parallel.sharded_data.TensorShardedBackend` (ZeRO-3 over shard
   groups inside the rdp group);
 * ``plan.engine.mics.enabled``: :class:`smp2ds.engine.mics.backend.MicsBackend`;
