@@ -36,7 +36,7 @@ class PipelineBackend(DataParallelBackend):
         self._clip_restore = None
         self.tp = tp_stages.shard_before_stages(module)  # tensor_parallel_degree > 1: shard, then cut
         self.runner = pipeline.build_pipeline(module, state.plan, state.groups.topology)
-        tp_stages.attach(self.runner, self.tp)
+        tp_stages.attach(self.runner, self.tp, precision(self.plan_ds))
         self._state = state
         self._calls = 0
 

@@ -8,7 +8,8 @@ data-parallel coordinates, and its gradient reduction runs over the data axis, t
 reduced-data-parallel group. What tensor parallelism adds to the pipeline runner:
 
 * before the step's reductions, the group's per-rank gradients are combined
-  (``prescaled_batch: false``, :func:`grads.combine_group_batches`);
+  (``prescaled_batch: false``, :func:`grads.combine_group_batches`; with bf16, whose optimizer
+  moves each backward's gradients into its own buffers, per micro-batch by gradient hooks);
 * ``state_dict()`` joins every shard (collective over the tensor-parallel group),
   ``load_state_dict`` cuts full tensors to this rank's shard;
 * the gradient norm counts shards once per group and replicated tensors once.
@@ -39,12 +40,17 @@ def shard_before_stages(module: torch.nn.Module) -> TPGroup:
     return tp
 
 
-def attach(runner: Any, tp: TPGroup) -> None:
+def attach(runner: Any, tp: TPGroup, precision: str) -> None:
     """Give a `PipelineRunner` the tensor-parallel gradient and state-dict hooks."""
     if tp.size == 1:
         return
     if not tp.prescaled_batch:
-        runner.before_reduce = lambda params: grads.combine_group_batches(params, tp)
+        if precision == "bf16":
+            # DeepSpeed's bf16 optimizer takes each backward's gradients into its fp32 buffers at
+            # once: correct every micro-batch's gradient as autograd produces it instead.
+            grads.install_group_batch_hooks(runner.module.parameters(), tp)
+        else:
+            runner.before_reduce = lambda params: grads.combine_group_batches(params, tp)
     runner.full_tensor = lambda t: full_tensor(t, tp)
     runner.local_part = lambda target, value: local_part(target, value, tp)
 
