@@ -29,8 +29,8 @@ import torch
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.tensor_parallel import registry
-from smp2ds.engine.tensor_parallel.group import current
-from smp2ds.engine.tensor_parallel.shards import spec_of
+from smp2ds.engine.tensor_parallel.group import TPGroup, current
+from smp2ds.engine.tensor_parallel.shards import local_part
 
 REPLACED_CLASSES = ("GPT2LMHeadModel", "GPTNeoXForCausalLM", "GPTJForCausalLM", "BertEncoder", "RobertaEncoder")
 """Hugging Face classes replaced: GPT-2, GPT-NeoX and GPT-J by ``DistributedTransformerLMHead``, BERT/RoBERTa
@@ -119,20 +119,27 @@ def _candidate(module: torch.nn.Module) -> str | None:
     return name if name in REPLACED_CLASSES else None
 
 
+def _gpt_sizes(config: Any, activation: str) -> dict[str, Any]:
+    """Arguments read the same way from GPT-2 and GPT-J configs (``n_embd``, ``n_head``, ``*_pdrop``, ...)."""
+    hidden, heads = config.n_embd, config.n_head
+    return {
+        "num_layers": config.n_layer, "num_attention_heads": heads, "attention_head_size": hidden // heads,
+        "hidden_size": hidden, "intermediate_size": config.n_inner or 4 * hidden, "vocab_size": config.vocab_size,
+        "num_positions": config.n_positions, "attention_dropout_prob": config.attn_pdrop,
+        "hidden_dropout_prob": config.resid_pdrop, "embedding_dropout_prob": config.embd_pdrop,
+        "activation": activation, "layernorm_epsilon": config.layer_norm_epsilon,
+        "causal_mask_size": config.n_positions, "initializer_range": config.initializer_range,
+    }
+
+
 def gpt2_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     """``DistributedTransformerLMHead`` constructor arguments for a GPT-2 config (settings override)."""
     if getattr(config, "add_cross_attention", False):
         raise SMPUnsupportedError("GPT-2 with add_cross_attention=True cannot be replaced by "
                                   "smp.nn.DistributedTransformerLMHead: cross attention is not implemented")
     act = _activation("GPT-2", "activation_function", config.activation_function)
-    hidden, heads = config.n_embd, config.n_head
     args = {
-        "num_layers": config.n_layer, "num_attention_heads": heads, "attention_head_size": hidden // heads,
-        "hidden_size": hidden, "intermediate_size": config.n_inner or 4 * hidden, "vocab_size": config.vocab_size,
-        "num_positions": config.n_positions, "attention_dropout_prob": config.attn_pdrop,
-        "hidden_dropout_prob": config.resid_pdrop, "embedding_dropout_prob": config.embd_pdrop,
-        "activation": act, "layernorm_epsilon": config.layer_norm_epsilon,
-        "causal_mask_size": config.n_positions, "initializer_range": config.initializer_range,
+        **_gpt_sizes(config, act),
         "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True,
         "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", True)),
         "scale_attention_scores": bool(config.scale_attn_weights),
@@ -177,14 +184,8 @@ def gptj_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     if not config.rotary_dim:
         raise SMPUnsupportedError(f"GPT-J with rotary_dim={config.rotary_dim!r} is not supported by the distributed "
                                   "transformer; give a positive rotary_dim (64 for GPT-J-6B)")
-    hidden, heads = config.n_embd, config.n_head
     args = {
-        "num_layers": config.n_layer, "num_attention_heads": heads, "attention_head_size": hidden // heads,
-        "hidden_size": hidden, "intermediate_size": config.n_inner or 4 * hidden, "vocab_size": config.vocab_size,
-        "num_positions": config.n_positions, "attention_dropout_prob": config.attn_pdrop,
-        "hidden_dropout_prob": config.resid_pdrop, "embedding_dropout_prob": config.embd_pdrop,
-        "activation": act, "layernorm_epsilon": config.layer_norm_epsilon,
-        "causal_mask_size": config.n_positions, "initializer_range": config.initializer_range,
+        **_gpt_sizes(config, act),
         "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True, "use_positional_embedding": False,
         "tie_input_output_embedding": False, "use_lm_head_bias": True, "rotary_dim": config.rotary_dim,
         "gpt_neox_type_rotary": False, "parallel_attn_output": True, "single_pre_layernorm": True,
@@ -215,7 +216,7 @@ def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
         translated = translate_hf_state_dict_to_smdistributed_gpt2(hf.state_dict())
     weight = next(hf.parameters())
     new.to(device=weight.device, dtype=weight.dtype)
-    load_full(new, translated, tp.rank)
+    load_full(new, translated, tp)
     new.train(hf.training)
     object.__setattr__(new, "config", hf.config)
     object.__setattr__(new, "_smp2ds_forward_hook", hf_call_to_smp)
@@ -224,15 +225,11 @@ def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
     return new
 
 
-def load_full(module: torch.nn.Module, full: dict[str, Any], tp_rank: int) -> None:
+def load_full(module: torch.nn.Module, full: dict[str, Any], tp: TPGroup) -> None:
     """Load whole tensors into ``module``, cutting each sharded parameter to this rank's piece."""
     own = module.state_dict(keep_vars=True)
-    cut = {}
-    for key, value in full.items():
-        spec = spec_of(own[key]) if key in own else None
-        cut[key] = spec.local(value, tp_rank) if spec is not None and tuple(value.shape) == spec.full_shape \
-            else value
-    module.load_state_dict(cut, strict=True)
+    module.load_state_dict({key: local_part(own[key], value, tp) if key in own else value
+                            for key, value in full.items()}, strict=True)
 
 
 _HF_IGNORED = ("return_dict", "use_cache", "output_attentions", "output_hidden_states", "past_key_values",
@@ -301,7 +298,7 @@ def encoder_to_distributed_transformer(encoder: torch.nn.Module) -> torch.nn.Mod
     new = DistributedTransformer(**encoder_arguments(encoder.config, settings))
     weight = next(encoder.parameters())
     new.to(device=weight.device, dtype=weight.dtype)
-    load_full(new, encoder_names.hf_to_smp(encoder.state_dict(), "encoder replacement"), current().rank)
+    load_full(new, encoder_names.hf_to_smp(encoder.state_dict(), "encoder replacement"), current())
     new.train(encoder.training)
     object.__setattr__(new, "config", encoder.config)
     object.__setattr__(new, "_smp2ds_forward_hook", hf_encoder_call_to_smp)
