@@ -13,6 +13,7 @@ from smp2ds.engine.nn.huggingface import bert as bert_tr
 from smp2ds.engine.nn.huggingface import roberta as roberta_tr
 from smp2ds.engine.tensor_parallel import registry
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
+from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients
 
 VOCAB = 40
 
@@ -66,16 +67,7 @@ def test_replaced_encoder_gives_hf_logits_loss_and_gradients(family, attn):
     assert [type(c).__name__ for c in encoder.seq_layers.children()] == ["DistributedTransformerLayer"] * 2
     assert all(not (registry.mark_of(m) or registry.Mark(False)).enabled for m in net.modules())  # rest kept whole
     ids, mask = batch()
-    got = net(input_ids=ids, attention_mask=mask, labels=ids)
-    want = ref(input_ids=ids, attention_mask=mask, labels=ids)
-    keep = mask.bool()
-    assert torch.allclose(got.logits[keep], want.logits[keep], atol=1e-5, rtol=0)
-    assert torch.allclose(got.loss, want.loss, atol=1e-6)
-    got.loss.backward()
-    want.loss.backward()
-    ref_grads = translate({n: p.grad for n, p in ref.named_parameters()})
-    for name, p in net.named_parameters():
-        assert torch.allclose(p.grad, ref_grads[name], atol=1e-6, rtol=1e-5), name
+    assert_same_logits_loss_and_gradients(net, ref, ids, mask, translate)
 
 
 def test_smp_bert_state_dict_loads_into_hf_with_the_same_logits():

@@ -13,6 +13,7 @@ from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import gptj as tr
 from smp2ds.engine.tensor_parallel import registry
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
+from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients
 
 VOCAB = 40
 
@@ -49,16 +50,7 @@ def test_replaced_gptj_gives_hf_logits_loss_and_gradients():
     ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
-    got = new(input_ids=ids, attention_mask=mask, labels=ids)
-    want = ref(input_ids=ids, attention_mask=mask, labels=ids)
-    keep = mask.bool()
-    assert torch.allclose(got.logits[keep], want.logits[keep], atol=1e-5, rtol=0)
-    assert torch.allclose(got.loss, want.loss, atol=1e-6)
-    got.loss.backward()
-    want.loss.backward()
-    ref_grads = tr.translate_hf_state_dict_to_smdistributed_gptj({n: p.grad for n, p in ref.named_parameters()})
-    for name, p in new.named_parameters():
-        assert torch.allclose(p.grad, ref_grads[name], atol=1e-6, rtol=1e-5), name
+    assert_same_logits_loss_and_gradients(new, ref, ids, mask, tr.translate_hf_state_dict_to_smdistributed_gptj)
     new.eval()
     hf = hf_gptj(9).eval()
     hf.load_state_dict(tr.translate_state_dict_to_hf_gptj(new.state_dict()), strict=True)

@@ -13,6 +13,7 @@ from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import gptneox as tr
 from smp2ds.engine.tensor_parallel import registry
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
+from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients
 
 VOCAB = 40
 
@@ -56,16 +57,8 @@ def test_replaced_neox_gives_hf_logits_loss_and_gradients(parallel, factor):
     assert isinstance(new, smp.nn.DistributedTransformerLMHead) and new.config is net.config
     assert new.transformer.seq_layers[0].parallel is parallel
     ids, mask = batch()
-    got = new(input_ids=ids, attention_mask=mask, labels=ids)
-    want = ref(input_ids=ids, attention_mask=mask, labels=ids)
-    keep = mask.bool()
-    assert torch.allclose(got.logits[keep], want.logits[keep], atol=1e-5, rtol=0)
-    assert torch.allclose(got.loss, want.loss, atol=1e-6)
-    got.loss.backward()
-    want.loss.backward()
-    ref_grads = tr.translate_hf_state_dict_to_smdistributed_gptneox({n: p.grad for n, p in ref.named_parameters()}, 4)
-    for name, p in new.named_parameters():
-        assert torch.allclose(p.grad, ref_grads[name], atol=1e-6, rtol=1e-5), name
+    assert_same_logits_loss_and_gradients(new, ref, ids, mask,
+                                          lambda sd: tr.translate_hf_state_dict_to_smdistributed_gptneox(sd, 4))
     with pytest.raises(SMPUnsupportedError, match="takes no position_ids"):
         new(input_ids=ids, position_ids=torch.arange(9)[None])
 
