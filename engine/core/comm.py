@@ -103,10 +103,17 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup
     return work if async_op else tensor
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Broadcast ``tensor`` in place from global rank ``src``."""
-    dist.broadcast(tensor, src, group=group)
-    return tensor
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Broadcast ``tensor`` in place from global rank ``src``; returns it, or the work handle when ``async_op``."""
+    work = dist.broadcast(tensor, src, group=group, async_op=async_op)
+    return work if async_op else tensor
+
+
+def tensor_device(group: ProcessGroup | None = None) -> torch.device:
+    """Where ``group``'s collectives take their tensors: the current CUDA device for NCCL, else the CPU."""
+    if get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group: ProcessGroup | None = None,

@@ -102,6 +102,7 @@ class PipelineRunner:
         self._mode: str | None = None
         self._shape_key: Any = None
         self.last_losses: list[torch.Tensor | None] = []
+        self._arrival = step_inputs.InputsInFlight([])
         self.before_reduce: Callable[[list[nn.Parameter]], None] | None = None
         """Called with this stage's parameters before the gradient reductions of a step (tensor
         parallelism combines the group's per-rank gradients there)."""
@@ -199,9 +200,28 @@ class PipelineRunner:
         training = self.training and torch.is_grad_enabled()
         if training and self._optimizer is None and self.engine is None:
             raise SMPRuntimeError("create smp.DistributedOptimizer(...) before the first training step")
-        micro_calls = self._inputs_from_first_stage(micro_calls)
+        self._arrival = self._inputs_from_first_stage(micro_calls)
+        try:
+            self._run_schedule(fn, self._arrival.calls, training, reduce_grads)
+        finally:
+            self._arrival.wait()  # before the next collective on the pipeline group
+        engine = self.engine
+        src = engine.grid.stage_to_global(self.settings.pp - 1)
+        payload = (self._results, self._losses) if self.is_last_stage else None
+        results, losses = collectives.broadcast_object(payload, src, engine.grid.get_pipe_parallel_group())
+        if self.is_last_stage:
+            results, losses = self._results, self._losses
+        else:  # arrived on CPU; SMP hands step outputs back on the rank's device
+            results, losses = collectives.map_tensors((results, losses), lambda t: t.to(engine.device))
+        self.last_losses = list(losses)
+        return list(results)
+
+    def _run_schedule(self, fn: Callable[..., Any], micro_calls: list[MicroCall], training: bool,
+                      reduce_grads: bool) -> None:
+        m = len(micro_calls)
         self._ensure_engine(micro_calls)
-        if not self.is_first_stage and self.engine.device != torch.device("cpu"):
+        if not self.is_first_stage and self.engine.device != collectives.tensor_device(self._pipe_group()):
+            self._arrival.wait()
             micro_calls = collectives.map_tensors(micro_calls, lambda t: t.to(self.engine.device))
         self._reset_shapes_if_changed(micro_calls)
         inputs = [self._capture(fn, a, k) for a, k in micro_calls] if self.is_first_stage else [None] * m
@@ -220,17 +240,11 @@ class PipelineRunner:
         else:
             with torch.no_grad():
                 engine._exec_schedule(make_eval_schedule(m, self.settings.pp, self.stage))
-        src = engine.grid.stage_to_global(self.settings.pp - 1)
-        payload = (self._results, self._losses) if self.is_last_stage else None
-        results, losses = collectives.broadcast_object(payload, src, engine.grid.get_pipe_parallel_group())
-        if self.is_last_stage:
-            results, losses = self._results, self._losses
-        else:  # arrived on CPU; SMP hands step outputs back on the rank's device
-            results, losses = collectives.map_tensors((results, losses), lambda t: t.to(engine.device))
-        self.last_losses = list(losses)
-        return list(results)
 
-    def _inputs_from_first_stage(self, micro_calls: Sequence[MicroCall]) -> list[MicroCall]:
+    def _pipe_group(self) -> Any:
+        return self.module.mpu().get_pipe_parallel_group()
+
+    def _inputs_from_first_stage(self, micro_calls: Sequence[MicroCall]) -> step_inputs.InputsInFlight:
         """SMP runs a step with the first stage's inputs: the other stages receive its micro-batches."""
         grid = self.module.mpu()
         return step_inputs.from_first_stage(micro_calls, is_first=self.is_first_stage, src=grid.stage_to_global(0),
@@ -258,6 +272,7 @@ class PipelineRunner:
     def _loss_fn(self, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's ``loss_fn`` on the last stage: run the step function for one micro-batch."""
         index = int(labels.reshape(-1)[0])
+        self._arrival.wait()  # the received inputs are read from here on
         args, kwargs = self._calls_in[index]
         self._mode, self._pipe_output, self._loss, self._calls = "loss", outputs, None, 0
         try:

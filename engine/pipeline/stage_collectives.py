@@ -92,6 +92,16 @@ def broadcast_raw(obj: Any, src: int, group: Any) -> Any:
     return comm.broadcast_object(obj if comm.get_rank() == src else None, src, group)
 
 
+def broadcast_tensor_async(tensor: torch.Tensor, src: int, group: Any) -> Any:
+    """Start broadcasting ``tensor`` in place from global rank ``src`` over ``group``; the work handle."""
+    return comm.broadcast(tensor, src, group=group, async_op=True)
+
+
+def tensor_device(group: Any) -> torch.device:
+    """The device ``group``'s collectives take tensors on (CUDA for NCCL, else CPU)."""
+    return comm.tensor_device(group)
+
+
 def all_gather_objects(obj: Any, group: Any) -> list[Any]:
     """Every rank's ``obj`` (tensors on CPU), ordered by rank within ``group``."""
     return comm.all_gather_object(map_tensors(obj, lambda t: t.detach().cpu()), group=group)

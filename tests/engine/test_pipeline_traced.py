@@ -5,6 +5,8 @@ Multi-rank training of a traced model against a reference is in tests/scripts/te
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -251,15 +253,15 @@ def test_step_inputs_come_from_the_first_stage_objects_from_this_rank():
     model, other_model = object(), object()
     first = [((model, torch.arange(4.0), {"labels": torch.tensor([1, 2]), "n": 3}),
               {"flag": True, "shape": torch.Size([2, 3])})]
-    encoded = step_inputs.encode_calls(first)
+    encoded, payload = step_inputs.encode_calls(first)
     mine = [((other_model, torch.empty(0), None), {"flag": False})]
-    (args, kwargs), = step_inputs.decode_calls(encoded, mine)
+    (args, kwargs), = step_inputs.decode_calls(pickle.loads(pickle.dumps(encoded)), payload.clone(), mine)
     assert args[0] is other_model  # not sent: this rank's own
     assert torch.equal(args[1], torch.arange(4.0)) and torch.equal(args[2]["labels"], torch.tensor([1, 2]))
     assert args[2]["n"] == 3 and kwargs == {"flag": True, "shape": torch.Size([2, 3])}
     with pytest.raises(SMPRuntimeError, match=r"step argument #0 \(object on the first pipeline stage\) is missing "
                                               "on this stage: every stage must pass"):
-        step_inputs.decode_calls(encoded, [((), {})])
+        step_inputs.decode_calls(encoded, payload, [((), {})])
 
 
 def test_step_inputs_keep_mappings_and_named_tuples():
@@ -267,8 +269,8 @@ def test_step_inputs_keep_mappings_and_named_tuples():
 
     Batch = collections.namedtuple("Batch", "ids labels")
     ordered = collections.OrderedDict(ids=torch.arange(3), mask=torch.ones(3))
-    encoded = step_inputs.encode_calls([((Batch(torch.arange(2), torch.tensor([5, 6])), ordered), {})])
-    (args, _), = step_inputs.decode_calls(encoded, [((torch.empty(0), torch.empty(0)), {})])
+    encoded, payload = step_inputs.encode_calls([((Batch(torch.arange(2), torch.tensor([5, 6])), ordered), {})])
+    (args, _), = step_inputs.decode_calls(encoded, payload, [((torch.empty(0), torch.empty(0)), {})])
     assert type(args[0]) is Batch and torch.equal(args[0].labels, torch.tensor([5, 6]))
     assert type(args[1]) is collections.OrderedDict and list(args[1]) == ["ids", "mask"]
     assert torch.equal(args[1]["mask"], torch.ones(3))
@@ -298,14 +300,25 @@ def test_every_floating_value_a_layer_sends_accepts_a_gradient():
 
 
 def test_a_tensor_passed_twice_is_sent_once():
-    import pickle
-
     ids = torch.arange(1000)
-    once = pickle.dumps(step_inputs.encode_calls([((ids,), {})]))
-    twice = pickle.dumps(step_inputs.encode_calls([((ids,), {"labels": ids})]))
-    assert len(twice) < len(once) + 100
-    (args, kwargs), = step_inputs.decode_calls(pickle.loads(twice), [((None,), {})])
+    _, once = step_inputs.encode_calls([((ids,), {})])
+    encoded, twice = step_inputs.encode_calls([((ids,), {"labels": ids})])
+    assert twice.numel() == once.numel() == ids.numel() * ids.element_size()
+    (args, kwargs), = step_inputs.decode_calls(encoded, twice, [((None,), {})])
     assert torch.equal(args[0], ids) and torch.equal(kwargs["labels"], ids)
+
+
+def test_every_dtype_and_shape_travels_in_one_payload():
+    """Mixed dtypes (bool, half, int64, 0-d, empty, non-contiguous) keep their bytes in one aligned buffer."""
+    wide = torch.arange(12.0).reshape(3, 4)
+    values = [torch.tensor([True, False, True]), torch.randn(5).half(), torch.tensor(7), torch.empty(0, 3),
+              wide.t(), torch.arange(3, dtype=torch.int64)]
+    encoded, payload = step_inputs.encode_calls([(tuple(values), {})])
+    received = payload.clone()  # as a receiving stage holds it
+    (args, _), = step_inputs.decode_calls(pickle.loads(pickle.dumps(encoded)), received, [((None,) * 6, {})])
+    for sent, got in zip(values, args):
+        assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
+        assert got.untyped_storage().data_ptr() == received.untyped_storage().data_ptr()  # a view: no copy
 
 
 class MaxAcross(nn.Module):
