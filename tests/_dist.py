@@ -8,12 +8,20 @@ return values (indexed by rank) comes back. A failing rank re-raises here as
 ``RankFailed`` naming the rank and carrying its traceback; when the timeout expires every
 worker of this call is killed and ``RankTimeout`` names the ranks that had not finished.
 
-``fn`` must be a module-level function (spawn pickles it by name). Return values must pickle;
+``fn`` must be a module-level function (it is pickled by name). Return values must pickle;
 return CPU tensors or plain Python values.
+
+Processes come from a ``forkserver`` that imported torch and DeepSpeed once (`PRELOAD`): each
+rank is a fresh fork of that server, so it starts clean but skips the ~2 s those imports cost a
+spawned interpreter. Nothing whose import reads the SageMaker environment (transformers'
+``modeling_utils``, ``trainer``; smdistributed) is preloaded: those stay per-rank imports, in the
+environment the test gives its ranks. ``SMP2DS_TEST_START=spawn`` starts plain spawned
+interpreters instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -21,7 +29,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("SMP2DS_TEST_TIMEOUT", "240"))
@@ -36,6 +44,13 @@ BASE_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "PYTHONHASHSEED": "0",
 }
+
+
+# Imported once by the fork server. Only modules whose import does not depend on the ranks'
+# environment beyond BASE_ENV (which the server starts with).
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
+           "deepspeed.runtime.pipe.engine", "deepspeed.runtime.zero.stage_1_and_2"]
+_START_METHOD = os.environ.get("SMP2DS_TEST_START", "forkserver")
 
 
 class RankFailed(RuntimeError):
@@ -66,7 +81,9 @@ def run_ranks(
     ranks_per_node: int | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh processes and return their results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(_START_METHOD)
+    if _START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory(prefix="smp2ds-dist-") as tmp:
         full_env = dict(BASE_ENV)
         full_env.update(
@@ -79,19 +96,28 @@ def run_ranks(
         )
         full_env.update(env or {})
         results = ctx.Queue()
-        old_pythonpath = os.environ.get("PYTHONPATH")
-        # Spawned interpreters must import the test module exactly as pytest did.
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        try:
+        # Spawned interpreters (and the fork server, started on first use) must import the test
+        # module exactly as pytest did, and the server must preload in the ranks' base environment.
+        with _environ({**BASE_ENV, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}):
             procs = [ctx.Process(target=_worker, args=(r, fn, args, full_env, results)) for r in range(world_size)]
             for p in procs:
                 p.start()
-        finally:
-            if old_pythonpath is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = old_pythonpath
         return _collect(procs, results, world_size, timeout_s)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the block, then restore what was there."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _collect(procs: list[Any], results: Any, world_size: int, timeout_s: float) -> list[Any]:

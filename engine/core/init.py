@@ -163,6 +163,10 @@ def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> 
     os.environ.update(
         {"RANK": str(launch.rank), "WORLD_SIZE": str(launch.world_size), "LOCAL_RANK": str(launch.local_rank)}
     )
+    # DeepSpeed's launcher sets LOCAL_SIZE; under torchrun or mpirun it is missing, and DeepSpeed's
+    # CPU accelerator then counts devices by running `numactl --hardware` on every call (ZeRO-3
+    # asks once per reduce-scatter bucket): a fork and exec each time.
+    os.environ.setdefault("LOCAL_SIZE", str(launch.local_size))
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank)
     timeout = timeout_from_env()

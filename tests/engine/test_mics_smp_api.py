@@ -38,6 +38,11 @@ def _smp_script() -> tuple[list[bool], dict, tuple[int, int], float, float]:
     smp.init({"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": 2,
               "delayed_parameter_initialization": True, "sdp_param_persistence_threshold": 0,
               "sdp_gradient_clipping": 0.05})
+    import deepspeed.utils.numa as ds_numa
+
+    probes = []  # DeepSpeed's CPU device count runs `numactl` unless LOCAL_SIZE is set (smp.init sets it)
+    real_probe = ds_numa.get_numa_cores
+    ds_numa.get_numa_cores = lambda: probes.append(1) or real_probe()
     with smp.delay_param_initialization():
         net = _net()
     born = [hasattr(p, "ds_tensor") and p.ds_tensor.numel() == p.ds_numel // 2 for p in net.parameters()]
@@ -72,7 +77,8 @@ def _smp_script() -> tuple[list[bool], dict, tuple[int, int], float, float]:
     # the replica all-reduce overlapped the last micro-batch's backward of every step (engine/mics/overlap.py)
     ds = model.backend.ds_optimizer
     overlap = {"async": ds.mics_overlap.async_elements, "sync": ds.mics_sync_elements,
-               "partition": int(ds.grad_partitions_flat_buffer.numel()), "steps": STEPS + 1}
+               "partition": int(ds.grad_partitions_flat_buffer.numel()), "steps": STEPS + 1,
+               "numa_probes": len(probes)}
     return born, trained, shard_coords, loaded_err, after_step_moved, overlap
 
 
@@ -95,6 +101,7 @@ def test_smp_script_with_delayed_sharded_parameters_matches_single_process():
     for rank, (born, sd, shard_coords, loaded_err, moved, overlap) in enumerate(results):
         # every element was averaged over the replicas while backward ran, none at optimizer.step()
         assert overlap["async"] == overlap["steps"] * overlap["partition"] and overlap["sync"] == 0, overlap
+        assert overlap["numa_probes"] == 0, overlap  # no `numactl` run per reduce-scatter bucket
         assert all(born), f"rank {rank}: parameters were not created partitioned over the shard group"
         # Shard groups are [0, 1] and [2, 3]: the rank inside the group, and its size.
         assert shard_coords == (rank % 2, 2), rank
