@@ -122,6 +122,13 @@ def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group: Pr
     return dist.all_gather_into_tensor(output, input_, group=group, async_op=async_op)
 
 
+def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor,
+                          group: ProcessGroup | None = None) -> torch.Tensor:
+    """Sum ``input_`` over ``group`` and keep this member's chunk of dim 0 in ``output``; returns ``output``."""
+    dist.reduce_scatter_tensor(output, input_, group=group)
+    return output
+
+
 def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None) -> list[torch.Tensor]:
     """Every member's ``tensor`` (same shape everywhere), indexed by rank within ``group``."""
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]

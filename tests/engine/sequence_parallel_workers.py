@@ -64,6 +64,7 @@ def dropout_masks(smp: Any) -> dict:
 def collective_pairs(smp: Any) -> dict:
     """``gather_sequence`` (all-gather / reduce-scatter) and ``reduce_scatter_sequence`` (the reverse) on
     rank-dependent tensors, with the gradients of a weighted sum (weights equal on every rank)."""
+    from smp2ds.engine.diagnostics import comm_counter
     from smp2ds.engine.tensor_parallel import group as tp_group
     from smp2ds.engine.tensor_parallel.collectives import gather_sequence, reduce_scatter_sequence
 
@@ -72,9 +73,11 @@ def collective_pairs(smp: Any) -> dict:
     joined = gather_sequence(mine, tp)
     (joined * weight).sum().backward()
     whole = (torch.arange(48.0).reshape(2, 8, 3) * (smp.rank() + 1)).requires_grad_()
-    part = reduce_scatter_sequence(whole, tp)
+    with comm_counter.CommCounter() as counter:
+        part = reduce_scatter_sequence(whole, tp)
     (part * weight[:, tp.rank * 4:(tp.rank + 1) * 4]).sum().backward()
-    return {"joined": joined.detach(), "gather_grad": mine.grad, "part": part.detach(), "scatter_grad": whole.grad}
+    return {"joined": joined.detach(), "gather_grad": mine.grad, "part": part.detach(), "scatter_grad": whole.grad,
+            "scatter_ops": [(r.op, r.nbytes) for r in counter.records]}
 
 
 DIRECT = {

@@ -152,3 +152,5 @@ def test_sequence_collectives_are_conjugate_pairs(runs):
         np.testing.assert_array_equal(got["gather_grad"], TP * weight[:, own])  # every rank's gradient, summed
         np.testing.assert_array_equal(got["part"], whole_sum[:, own])
         np.testing.assert_array_equal(got["scatter_grad"], weight)  # every rank's piece of the gradient, joined
+        # one reduce-scatter of the whole tensor (4-byte floats), not an all-reduce (twice the traffic)
+        assert got["scatter_ops"] == [("reduce_scatter_tensor", weight.size * 4)], got["scatter_ops"]
