@@ -207,7 +207,10 @@ def _launch(variants: tuple[str, ...], opts: argparse.Namespace, net: Namespaces
         procs, logs = [], []
         for node in (0, 1):
             prefix = ["ip", "netns", "exec", net.ns[node]] if net else []
+            # LOCAL_SIZE as DeepSpeed's launcher (and smp.init) set it: without it DeepSpeed's CPU
+            # accelerator runs `numactl` on every ZeRO-3 reduce bucket, in both families alike.
             env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore::FutureWarning",
+                       LOCAL_SIZE=str(PER_NODE),
                        GLOO_SOCKET_IFNAME=net.dev[node] if net else "lo",
                        SMP2DS_BENCH_VETH=net.dev[node] if net and node == 0 else "")
             cmd = prefix + [
