@@ -208,7 +208,7 @@ class PipelineRunner:
         engine = self.engine
         src = engine.grid.stage_to_global(self.settings.pp - 1)
         payload = (self._results, self._losses) if self.is_last_stage else None
-        results, losses = collectives.broadcast_object(payload, src, engine.grid.get_pipe_parallel_group())
+        results, losses = collectives.broadcast_object(payload, src, self._pipe_group())
         if self.is_last_stage:
             results, losses = self._results, self._losses
         else:  # arrived on CPU; SMP hands step outputs back on the rank's device
@@ -242,13 +242,13 @@ class PipelineRunner:
                 engine._exec_schedule(make_eval_schedule(m, self.settings.pp, self.stage))
 
     def _pipe_group(self) -> Any:
+        """This stage's pipeline group (DeepSpeed's grid, which the engine shares as ``engine.grid``)."""
         return self.module.mpu().get_pipe_parallel_group()
 
     def _inputs_from_first_stage(self, micro_calls: Sequence[MicroCall]) -> step_inputs.InputsInFlight:
         """SMP runs a step with the first stage's inputs: the other stages receive its micro-batches."""
-        grid = self.module.mpu()
-        return step_inputs.from_first_stage(micro_calls, is_first=self.is_first_stage, src=grid.stage_to_global(0),
-                                            group=grid.get_pipe_parallel_group())
+        return step_inputs.from_first_stage(micro_calls, is_first=self.is_first_stage,
+                                            src=self.module.mpu().stage_to_global(0), group=self._pipe_group())
 
     def _reduction(self, reduce_grads: bool) -> str:
         if not reduce_grads:
@@ -359,7 +359,7 @@ class PipelineRunner:
         """The full model (every stage's part) on every rank of this pipeline; collective over it
         (and over the tensor-parallel group when ``full_tensor`` joins shards)."""
         local = state.local_state_dict(self._names, self.module, self.full_tensor)
-        parts = collectives.all_gather_objects(local, self.module.mpu().get_pipe_parallel_group())
+        parts = collectives.all_gather_objects(local, self._pipe_group())
         return state.merge(parts)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> list[str]:

@@ -70,14 +70,10 @@ class _Slot:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def view(self, payload: torch.Tensor) -> torch.Tensor:
         return payload[self.offset:self.offset + self.nbytes].view(self.dtype).reshape(self.shape)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class _Packer:
