@@ -60,6 +60,8 @@ class Watchdog:
         self._main_thread = threading.get_ident()  # the thread running smp.init: the training loop
         self._entry: Any = None
         self._entry_since = 0.0
+        self._peer_beats: dict[int, tuple[int, float]] = {}  # during a long wait: (count, first seen)
+        self._peer_beats_since: float | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> Watchdog:
@@ -173,10 +175,20 @@ class Watchdog:
         now = time.monotonic()
         if entry is None or entry is not self._entry:
             self._entry, self._entry_since = entry, now  # holds the frame so its identity stays unique
+            self._peer_beats, self._peer_beats_since = {}, None
             return None
         waited = now - self._entry_since
-        if waited <= self.timeout_s:
+        if waited <= self.timeout_s / 2:
             return None
+        silent, watched_long_enough = self._silent_peers(now)
+        if waited <= self.timeout_s or not watched_long_enough:
+            return None
+        if silent:
+            # a dead peer, not a stuck one: its heartbeat stopped while this rank waited for it
+            r, quiet_s = silent[0]
+            message = f"rank {r} lost: no heartbeat for {quiet_s:.0f} s (noticed by rank {self.rank})"
+            self._store.compare_set("abort", "", message)
+            return self._store.get("abort").decode()
         others: dict[int, stall.Position | None] = {}
         finished: set[int] = set()
         for r in range(self.world_size):
@@ -190,6 +202,32 @@ class Watchdog:
         message = stall.stall_verdict(self.rank, waited, position, others, finished)
         self._store.compare_set("abort", "", message)
         return self._store.get("abort").decode()
+
+    def _silent_peers(self, now: float) -> tuple[list[tuple[int, float]], bool]:
+        """Peers whose heartbeat has not moved for ``timeout / 2`` while this rank waits in one
+        collective (with how long each has been silent), and whether every peer has been watched
+        that long, so that a silent one would have been seen.
+
+        A rank that waits in a collective for a peer that was killed must name it as lost, not as
+        "not progressing": the ring neighbour's heartbeat check may be a tick behind this one.
+        Watching starts halfway through the wait, so short collectives cost no store traffic.
+        """
+        window = self.timeout_s / 2
+        if self._peer_beats_since is None:
+            self._peer_beats_since = now
+        silent = []
+        for r in range(self.world_size):
+            if r == self.rank or self._store.check([f"done/{r}"]):
+                continue
+            count = int(self._store.add(f"hb/{r}", 0))
+            first = self._peer_beats.get(r)
+            if first is None:
+                self._peer_beats[r] = first = (count, now)
+            if first[0] != count:
+                self._peer_beats[r] = (count, now)  # it beat since the last tick: alive
+            elif now - first[1] >= window:
+                silent.append((r, now - first[1]))
+        return silent, now - self._peer_beats_since >= window
 
     def _abort(self, verdict: str) -> None:
         self._verdict = verdict
