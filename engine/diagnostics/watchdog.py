@@ -60,7 +60,7 @@ class Watchdog:
         self._main_thread = threading.get_ident()  # the thread running smp.init: the training loop
         self._entry: Any = None
         self._entry_since = 0.0
-        self._peer_beats: dict[int, tuple[int, float]] = {}  # during a long wait: (count, first seen)
+        self._peer_beats: dict[int, int] = {}  # each peer's heartbeat count at the first look of a long wait
         self._peer_beats_since: float | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -180,13 +180,17 @@ class Watchdog:
         waited = now - self._entry_since
         if waited <= self.timeout_s / 2:
             return None
-        silent, watched_long_enough = self._silent_peers(now)
-        if waited <= self.timeout_s or not watched_long_enough:
+        if self._peer_beats_since is None:  # halfway: first look at every peer's heartbeat
+            self._peer_beats_since = now
+            self._peer_beats = {r: self._beats_of(r) for r in self._live_peers()}
             return None
+        if waited <= self.timeout_s or now - self._peer_beats_since < self.timeout_s / 2:
+            return None
+        silent = self._silent_peers()
         if silent:
             # a dead peer, not a stuck one: its heartbeat stopped while this rank waited for it
-            r, quiet_s = silent[0]
-            message = f"rank {r} lost: no heartbeat for {quiet_s:.0f} s (noticed by rank {self.rank})"
+            message = (f"rank {silent[0]} lost: no heartbeat for {now - self._peer_beats_since:.0f} s "
+                       f"(noticed by rank {self.rank})")
             self._store.compare_set("abort", "", message)
             return self._store.get("abort").decode()
         others: dict[int, stall.Position | None] = {}
@@ -203,31 +207,21 @@ class Watchdog:
         self._store.compare_set("abort", "", message)
         return self._store.get("abort").decode()
 
-    def _silent_peers(self, now: float) -> tuple[list[tuple[int, float]], bool]:
-        """Peers whose heartbeat has not moved for ``timeout / 2`` while this rank waits in one
-        collective (with how long each has been silent), and whether every peer has been watched
-        that long, so that a silent one would have been seen.
+    def _silent_peers(self) -> list[int]:
+        """Peers whose heartbeat has not moved since the first look, taken halfway through this
+        rank's wait in one collective and at least ``timeout / 2`` ago.
 
         A rank that waits in a collective for a peer that was killed must name it as lost, not as
-        "not progressing": the ring neighbour's heartbeat check may be a tick behind this one.
-        Watching starts halfway through the wait, so short collectives cost no store traffic.
+        "not progressing": the ring neighbour's heartbeat check may be a tick behind this one. A long
+        wait reads every peer's counter twice (the first look, then here), a short one never.
         """
-        window = self.timeout_s / 2
-        if self._peer_beats_since is None:
-            self._peer_beats_since = now
-        silent = []
-        for r in range(self.world_size):
-            if r == self.rank or self._store.check([f"done/{r}"]):
-                continue
-            count = int(self._store.add(f"hb/{r}", 0))
-            first = self._peer_beats.get(r)
-            if first is None:
-                self._peer_beats[r] = first = (count, now)
-            if first[0] != count:
-                self._peer_beats[r] = (count, now)  # it beat since the last tick: alive
-            elif now - first[1] >= window:
-                silent.append((r, now - first[1]))
-        return silent, now - self._peer_beats_since >= window
+        return [r for r in self._live_peers() if r in self._peer_beats and self._beats_of(r) == self._peer_beats[r]]
+
+    def _live_peers(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.rank and not self._store.check([f"done/{r}"])]
+
+    def _beats_of(self, r: int) -> int:
+        return int(self._store.add(f"hb/{r}", 0))
 
     def _abort(self, verdict: str) -> None:
         self._verdict = verdict

@@ -186,3 +186,35 @@ def test_stall_sampling_finds_the_collective_and_the_user_line_and_the_verdict_n
 def _line_of_here(code: str) -> int:
     with open(__file__) as handle:
         return next(n for n, line in enumerate(handle, 1) if code in line and "_line_of_here" not in line)
+
+
+def test_a_rank_waiting_in_a_collective_names_a_silent_peer_as_lost_not_as_stuck():
+    """Rank 0 of 3 waits in a collective; its ring neighbour (rank 1) beats, rank 2 has died.
+    The wait's verdict must name rank 2 as lost (its heartbeat stopped), whichever check fires first."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from smp2ds.engine.diagnostics.watchdog import Watchdog
+
+    store = dist.HashStore()
+    for r in (1, 2):
+        store.add(f"hb/{r}", 1)
+    started, release = threading.Event(), threading.Event()
+    worker = threading.Thread(target=_blocked_in_a_collective, args=(started, release), daemon=True)
+    worker.start()
+    started.wait(10)
+    dog = Watchdog(lambda: store, rank=0, world_size=3, timeout_s=0.6)
+    dog._main_thread = worker.ident  # the blocked thread stands for the training loop
+    verdict, deadline = None, time.monotonic() + 10
+    try:
+        while verdict is None and time.monotonic() < deadline:
+            store.add("hb/1", 1)  # rank 1 alive (so the ring check on rank 1 never fires)
+            verdict = dog._tick()
+            time.sleep(dog.interval_s)
+    finally:
+        release.set()
+        worker.join(10)
+    assert verdict is not None and verdict.startswith("rank 2 lost: no heartbeat for "), verdict
+    assert verdict.endswith("(noticed by rank 0)") and store.get("abort").decode() == verdict
