@@ -13,7 +13,8 @@ that talks to the rendezvous store on its own client connection:
 * a rank that fails with a Python exception records ``rank N failed: ...`` at once (fast path);
 * it publishes where its main thread is (:mod:`stall`); a rank that has waited inside one
   collective call for ``timeout`` seconds records a verdict naming the ranks that are not in it
-  (alive but stuck: sleeping, or in a collective the others never call) and where they are;
+  (alive but stuck: sleeping, or in a collective the others never call) and where they are —
+  unless a peer's heartbeat did not move in the second half of that wait: then that peer is lost;
 * if the store itself becomes unreachable, its host (rank 0, unless torchrun's agent hosts it)
   is the lost rank.
 
