@@ -41,9 +41,12 @@ OPTIONS: tuple[OptionFate, ...] = (
     OptionFate("fused_bias_gelu", KERNEL,
                "accepted with any value; PyTorch's bias add and GELU compute the same maths"),
     OptionFate("use_alibi", REFUSED, "ALiBi attention biases are not implemented", (False, None)),
-    OptionFate("attention_layers_type", REFUSED, "local (windowed) attention layers (GPT-Neo) are not implemented",
-               (None, "global")),
-    OptionFate("window_size", REFUSED, "local (windowed) attention layers (GPT-Neo) are not implemented", (None,)),
+    OptionFate("attention_layers_type", IMPLEMENTED,
+               "'global' or 'local' for every layer, or a list with one per layer (GPT-Neo's attention_layers): "
+               "a local layer's causal mask keeps only the window_size most recent positions; a replaced "
+               "GPTNeoForCausalLM passes its config's"),
+    OptionFate("window_size", IMPLEMENTED, "the window of the local attention layers (needed when any layer is "
+               "local)"),
     OptionFate("distribute_embedding", IMPLEMENTED,
                "DistributedTransformerLMHead at tensor_parallel_degree > 1: word embedding and head split over "
                "the vocabulary, loss by a vocab-parallel cross-entropy (full logits never joined; the forward "

@@ -54,6 +54,7 @@ class DistributedTransformer(RegionModule):
                  pre_layernorm: bool = False, post_layernorm: bool = True, **extras: Any):
         super().__init__()
         options = opts.parse("DistributedTransformer", extras)
+        opts.check_attention_layers("DistributedTransformer", options, num_layers)
         layer_extras = {k: v for k, v in extras.items() if k != "layer_idx"}
         self.seq_layers = torch.nn.Sequential(*(
             DistributedTransformerLayer(

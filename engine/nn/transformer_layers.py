@@ -240,6 +240,9 @@ class DistributedAttentionLayer(RegionModule):
         s = scores.shape[-1]
         if self.causal_mask_size is not None:
             causal = torch.ones(s, s, dtype=torch.bool, device=scores.device).tril()
+            window = o.local_window(self.layer_idx)
+            if window is not None:  # a local layer (GPT-Neo) sees only the `window` most recent positions
+                causal = causal.triu(1 - window)
             scores = scores.masked_fill(~causal, o.mask_value)
         if mask is not None:
             scores = scores + mask.to(scores.dtype)

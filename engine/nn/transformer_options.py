@@ -36,6 +36,17 @@ class Options:
     gpt_neox_type_rotary: bool = False
     parallel_attn_output: bool = False
     single_pre_layernorm: bool = False
+    attention_layers_type: str | tuple[str, ...] | None = None
+    """'global' or 'local' for every layer, or one of them per layer (GPT-Neo's ``attention_layers``)."""
+    window_size: int | None = None
+    """Local layers attend to the ``window_size`` most recent positions, their own included."""
+
+    def local_window(self, layer_idx: int) -> int | None:
+        """The attention window of layer ``layer_idx`` if it is a local layer, else None (global)."""
+        kind = self.attention_layers_type
+        if isinstance(kind, tuple):
+            kind = kind[layer_idx] if layer_idx < len(kind) else None
+        return self.window_size if kind == "local" else None
 
 
 KERNEL_CHOICES = ("fused_softmax", "fused_dropout", "fused_bias_gelu")
@@ -49,8 +60,6 @@ _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "rotary_pct": (None,),
     "use_alibi": (False, None),
     "alibi_bias_max": (8, None),
-    "attention_layers_type": (None, "global"),
-    "window_size": (None,),
     "flash_attention": (False, None),
     "triton_flash_attention": (False, None),
     "_output_full_batch": (False, None),
@@ -63,8 +72,6 @@ _WHY = {
     "rotary_pct": "rotary_pct (give rotary_dim, the number of rotated features per head)",
     "use_alibi": "ALiBi attention biases",
     "alibi_bias_max": "ALiBi attention biases",
-    "attention_layers_type": "local (windowed) attention layers (GPT-Neo)",
-    "window_size": "local (windowed) attention layers (GPT-Neo)",
     "flash_attention": "FlashAttention kernels",
     "triton_flash_attention": "FlashAttention kernels",
     "_output_full_batch": "full-batch outputs of a prescaled region",
@@ -92,7 +99,38 @@ def parse(where: str, extras: dict[str, Any]) -> Options:
                 f"{sorted(fields | set(KERNEL_CHOICES) | set(_IGNORED_POSITIONAL) | set(_REFUSED_UNLESS))}")
     if not used.get("rotary_dim"):
         used["rotary_dim"] = None
+    _check_local_attention(where, used)
     return Options(**used)
+
+
+_ATTENTION_KINDS = ("global", "local")
+
+
+def _check_local_attention(where: str, used: dict[str, Any]) -> None:
+    """``attention_layers_type`` ('global' / 'local', or a list of them) and the ``window_size`` local layers need."""
+    kind = used.get("attention_layers_type")
+    kinds = list(kind) if isinstance(kind, (list, tuple)) else [kind]
+    if isinstance(kind, (list, tuple)):
+        used["attention_layers_type"] = tuple(kind)
+    bad = [k for k in kinds if k is not None and k not in _ATTENTION_KINDS]
+    if bad or (isinstance(kind, (list, tuple)) and None in kinds):
+        raise SMPInvalidArgumentError(
+            f"smp.nn.{where}(attention_layers_type={kind!r}): each layer's type must be one of "
+            f"{list(_ATTENTION_KINDS)} (a single type for every layer, or a list with one per layer)")
+    window = used.get("window_size")
+    if "local" in kinds and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise SMPInvalidArgumentError(
+            f"smp.nn.{where}(window_size={window!r}): local attention layers need window_size, a positive int "
+            "(GPT-Neo's config.window_size, 256 for its released models)")
+
+
+def check_attention_layers(where: str, options: Options, num_layers: int) -> None:
+    """A per-layer ``attention_layers_type`` list names exactly ``num_layers`` layers."""
+    kind = options.attention_layers_type
+    if isinstance(kind, tuple) and len(kind) != num_layers:
+        raise SMPInvalidArgumentError(
+            f"smp.nn.{where}(attention_layers_type=[{len(kind)} entries]): one type per layer is needed, "
+            f"num_layers={num_layers}")
 
 
 def check_activation(where: str, activation: str) -> str:

@@ -1,6 +1,6 @@
-"""SMP's replacement of Hugging Face models by its distributed transformer: ``GPT2LMHeadModel`` and
-``GPTNeoXForCausalLM`` and ``GPTJForCausalLM`` by ``smp.nn.DistributedTransformerLMHead``,
-``BertEncoder`` / ``RobertaEncoder`` by ``smp.nn.DistributedTransformer`` (GPT-Neo is refused).
+"""SMP's replacement of Hugging Face models by its distributed transformer: ``GPT2LMHeadModel``,
+``GPTNeoForCausalLM``, ``GPTNeoXForCausalLM`` and ``GPTJForCausalLM`` by ``smp.nn.DistributedTransformerLMHead``,
+``BertEncoder`` / ``RobertaEncoder`` by ``smp.nn.DistributedTransformer``.
 
 When it applies (the decision, documented): SMP replaced these classes when marked for tensor
 parallelism, at any ``tensor_parallel_degree`` including 1, and scripts written for that walk
@@ -32,11 +32,10 @@ from smp2ds.engine.tensor_parallel import registry
 from smp2ds.engine.tensor_parallel.group import TPGroup, current
 from smp2ds.engine.tensor_parallel.shards import local_part
 
-REPLACED_CLASSES = ("GPT2LMHeadModel", "GPTNeoXForCausalLM", "GPTJForCausalLM", "BertEncoder", "RobertaEncoder")
-"""Hugging Face classes replaced: GPT-2, GPT-NeoX and GPT-J by ``DistributedTransformerLMHead``, BERT/RoBERTa
-encoders by ``DistributedTransformer`` (GPT-Neo: not yet, refused)."""
-
-_NOT_YET = ("GPTNeoForCausalLM",)
+REPLACED_CLASSES = ("GPT2LMHeadModel", "GPTNeoForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM", "BertEncoder",
+                    "RobertaEncoder")
+"""Hugging Face classes replaced: GPT-2, GPT-Neo, GPT-NeoX and GPT-J by ``DistributedTransformerLMHead``,
+BERT/RoBERTa encoders by ``DistributedTransformer``."""
 
 _ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 
@@ -110,12 +109,6 @@ def _candidate(module: torch.nn.Module) -> str | None:
     if not wants_replacement(module):
         return None
     name = type(module).__name__
-    if name in _NOT_YET:
-        raise SMPUnsupportedError(
-            f"{name} created with SMP's distributed-transformer settings {sorted(registry.mark_of(module).kwargs)}: "
-            f"smp2ds replaces only {', '.join(REPLACED_CLASSES)} by SMP's distributed transformer; build "
-            f"{name} inside smp.model_creation(tensor_parallelism=True) without those settings to have it "
-            "sharded in place under its Hugging Face names")
     return name if name in REPLACED_CLASSES else None
 
 
@@ -194,8 +187,29 @@ def gptj_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {**args, **settings}
 
 
+def gptneo_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """``DistributedTransformerLMHead`` arguments for a GPT-Neo config: global and local (windowed) attention
+    layers, unscaled attention scores in fp32, no q/k/v bias, learned positions, head tied to the embedding."""
+    act = _activation("GPT-Neo", "activation_function", config.activation_function)
+    hidden, heads = config.hidden_size, config.num_heads
+    args = {
+        "num_layers": config.num_layers, "num_attention_heads": heads, "attention_head_size": hidden // heads,
+        "hidden_size": hidden, "intermediate_size": config.intermediate_size or 4 * hidden,
+        "vocab_size": config.vocab_size, "num_positions": config.max_position_embeddings,
+        "attention_dropout_prob": config.attention_dropout, "hidden_dropout_prob": config.resid_dropout,
+        "embedding_dropout_prob": config.embed_dropout, "activation": act,
+        "layernorm_epsilon": config.layer_norm_epsilon, "causal_mask_size": config.max_position_embeddings,
+        "initializer_range": config.initializer_range, "pre_layernorm": True, "post_layernorm": False,
+        "add_lm_head": True, "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", True)),
+        "scale_attention_scores": False, "attention_in_fp32": True, "use_qkv_bias": False,
+        "attention_layers_type": list(config.attention_layers), "window_size": config.window_size,
+    }
+    return {**args, **settings}
+
+
 def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
-    """The ``DistributedTransformerLMHead`` replacing Hugging Face GPT-2 / GPT-NeoX model ``hf`` (same weights)."""
+    """The ``DistributedTransformerLMHead`` replacing Hugging Face GPT-2 / GPT-Neo / GPT-NeoX / GPT-J model ``hf``
+    (same weights)."""
     from smp2ds.engine.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
     from smp2ds.engine.nn.huggingface.gptneox import translate_hf_state_dict_to_smdistributed_gptneox
     from smp2ds.engine.nn.transformer import DistributedTransformerLMHead
@@ -207,6 +221,11 @@ def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
 
         new = DistributedTransformerLMHead(**gptj_arguments(hf.config, settings))
         translated = translate_hf_state_dict_to_smdistributed_gptj(hf.state_dict())
+    elif type(hf).__name__ == "GPTNeoForCausalLM":
+        from smp2ds.engine.nn.huggingface.gptneo import translate_hf_state_dict_to_smdistributed_gptneo
+
+        new = DistributedTransformerLMHead(**gptneo_arguments(hf.config, settings))
+        translated = translate_hf_state_dict_to_smdistributed_gptneo(hf.state_dict())
     elif type(hf).__name__ == "GPTNeoXForCausalLM":
         new = DistributedTransformerLMHead(**gptneox_arguments(hf.config, settings))
         translated = translate_hf_state_dict_to_smdistributed_gptneox(hf.state_dict(),
@@ -334,7 +353,8 @@ def smp_encoder_output_to_hf(out: Any) -> Any:
     return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=out[0])
 
 
-_BUILDERS = {"GPT2LMHeadModel": to_distributed_transformer, "GPTNeoXForCausalLM": to_distributed_transformer,
+_BUILDERS = {"GPT2LMHeadModel": to_distributed_transformer, "GPTNeoForCausalLM": to_distributed_transformer,
+             "GPTNeoXForCausalLM": to_distributed_transformer,
              "GPTJForCausalLM": to_distributed_transformer,
              "BertEncoder": encoder_to_distributed_transformer,
              "RobertaEncoder": encoder_to_distributed_transformer}

@@ -1,6 +1,6 @@
 """SMP's distributed transformer at tensor_parallel_degree 2 on 2 real ranks (gloo, DeepSpeed):
 a Hugging Face GPT-2 built inside ``smp.model_creation(tensor_parallelism=True, <SMP settings>)``
-becomes ``smp.nn.DistributedTransformerLMHead`` (GPT-NeoX and GPT-J too; a BERT's encoder
+becomes ``smp.nn.DistributedTransformerLMHead`` (GPT-Neo, GPT-NeoX and GPT-J too; a BERT's encoder
 ``DistributedTransformer``); its logits equal the Hugging Face model's, each
 rank holds half of every split projection, and training (AdamW, and SGD with activation
 checkpointing of ``.attention`` / ``.output``) equals single-process Hugging Face GPT-2 training,
@@ -23,6 +23,7 @@ PHASES = [
     {"optimizer": "adamw", "seed": 4, "steps": 2, "family": "bert", "activation_checkpointing": True},
     {"optimizer": "sgd", "seed": 8, "steps": 2, "family": "neox"},
     {"optimizer": "adamw", "seed": 9, "steps": 2, "family": "gptj"},
+    {"optimizer": "sgd", "seed": 10, "steps": 2, "family": "gptneo"},
 ]
 
 
@@ -65,7 +66,7 @@ def test_tp2_distributed_transformer_matches_hugging_face_gpt2_and_bert(run_id):
             local, full = got["shards"][f"{prefix}.seq_layers.0.attention.query.weight"]
             assert local * 2 == full == 16 * 16
             local, full = got["shards"][f"{prefix}.seq_layers.0.output.dense2.weight"]
-            assert local * 2 == full == 16 * {None: 64, "gptj": 64}.get(phase.get("family"), 32)
+            assert local * 2 == full == 16 * {None: 64, "gptj": 64, "gptneo": 64}.get(phase.get("family"), 32)
             embedding = "bert.embeddings.word_embeddings.weight" if bert else "word_embedding.weight"
             assert got["shards"][embedding][0] == VOCAB_ROWS * 16  # replicated
             np.testing.assert_allclose(got["losses"], [step[r] for step in ref["losses"]], rtol=1e-4, atol=1e-6)

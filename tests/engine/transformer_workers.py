@@ -63,7 +63,19 @@ def hf_gptj(seed: int) -> torch.nn.Module:
     return tf.GPTJForCausalLM(cfg)
 
 
+def hf_gptneo(seed: int) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.GPTNeoConfig(num_layers=2, hidden_size=16, num_heads=4, vocab_size=VOCAB, max_position_embeddings=16,
+                          attention_types=[[["global", "local"], 1]], window_size=3, bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "eager"
+    return tf.GPTNeoForCausalLM(cfg)
+
+
 def hf_of(phase: dict) -> torch.nn.Module:
+    if phase.get("family") == "gptneo":
+        return hf_gptneo(phase["seed"])
     if phase.get("family") == "gptj":
         return hf_gptj(phase["seed"])
     if phase.get("family") == "neox":
@@ -80,6 +92,10 @@ def to_hf_names(phase: dict, sd: dict) -> dict:
 
     if phase.get("family") == "neox":
         return translate_state_dict_to_hf_gptneox(sd, num_attention_heads=4)
+    if phase.get("family") == "gptneo":
+        from smp2ds.engine.nn.huggingface.gptneo import translate_state_dict_to_hf_gptneo
+
+        return translate_state_dict_to_hf_gptneo(sd)
     if phase.get("family") == "gptj":
         from smp2ds.engine.nn.huggingface.gptj import translate_state_dict_to_hf_gptj
 

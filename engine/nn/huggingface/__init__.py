@@ -1,14 +1,18 @@
-"""``smp.nn.huggingface``: state-dict translators between Hugging Face and the engine's layout.
+"""``smp.nn.huggingface``: state-dict translators between Hugging Face and SMP's layouts.
 
 SMP replaced Hugging Face transformers by its own distributed transformer, whose parameter names
-differ; its translators mapped between the two. smp2ds shards the Hugging Face modules in place
-and keeps their names, so a state dict in the engine's layout *is* a Hugging Face state dict:
-every translator here returns a copy with the same keys and tensors, minus SMP's checkpoint
-markers (``_smp_is_partial``, ``_smp_load_info``), which Hugging Face's loaders do not accept.
+differ; its translators mapped between the two. These do the same for what smp2ds builds under SMP's
+transformer settings, exactly both ways: ``gpt2``, ``gptneo``, ``gptneox`` and ``gptj`` for the
+``smp.nn.DistributedTransformerLMHead`` those models become, ``bert`` / ``roberta`` for the encoder
+layers of the ``smp.nn.DistributedTransformer`` that replaces their encoder. A model built without
+those settings is sharded in place under its own names: its state dict already is Hugging Face's.
+Every translator drops SMP's checkpoint markers (``_smp_is_partial``, ``_smp_load_info``), which
+Hugging Face's loaders do not accept.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,3 +24,20 @@ def same_layout(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"a state dict (mapping of names to tensors) is needed, got {type(state_dict).__name__}")
     return {k: v for k, v in state_dict.items() if k not in MARKERS}
+
+
+def rename_layers(state_dict: Mapping[str, Any], top: Mapping[str, str], layer: Mapping[str, str], pattern: str,
+                  out_layers: str, fn: str, family: str, skipped: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Rename a state dict key by key: ``top`` maps whole names, ``layer`` maps the module path inside a
+    layer (``pattern`` captures layer index, module path and leaf; ``out_layers`` prefixes the result).
+    Layer entries named in ``skipped`` (old mask buffers) are dropped; any other key is refused by name."""
+    out: dict[str, Any] = {}
+    for key, value in same_layout(state_dict).items():
+        m = re.fullmatch(pattern, key)
+        if key in top:
+            out[top[key]] = value
+        elif m and m.group(2) in layer and m.group(3) in ("weight", "bias"):
+            out[f"{out_layers}.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"] = value
+        elif not (m and f"{m.group(2)}.{m.group(3)}" in skipped):
+            raise KeyError(f"{fn}: {key!r} is not a {family} parameter name this translator knows")
+    return out

@@ -12,11 +12,10 @@ model already has Hugging Face's names: give it to Hugging Face as is.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
-from smp2ds.engine.nn.huggingface import same_layout
+from smp2ds.engine.nn.huggingface import rename_layers
 
 _TOP = {"transformer.wte.weight": "word_embedding.weight", "transformer.ln_f.weight": "transformer.layernorm.weight",
         "transformer.ln_f.bias": "transformer.layernorm.bias", "lm_head.weight": "lm_head.weight",
@@ -27,28 +26,14 @@ _LAYER = {"ln_1": "attention.layernorm", "attn.q_proj": "attention.query", "attn
 _OLD_BUFFERS = ("attn.bias", "attn.masked_bias", "attn.embed_positions")
 
 
-def _translate(state_dict: Mapping[str, Any], top: dict[str, str], layer: dict[str, str], pattern: str,
-               out_layers: str, fn: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in same_layout(state_dict).items():
-        m = re.fullmatch(pattern, key)
-        if key in top:
-            out[top[key]] = value
-        elif m and m.group(2) in layer and m.group(3) in ("weight", "bias"):
-            out[f"{out_layers}.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"] = value
-        elif not (m and f"{m.group(2)}.{m.group(3)}" in _OLD_BUFFERS):
-            raise KeyError(f"{fn}: {key!r} is not a GPT-J parameter name this translator knows")
-    return out
-
-
 def translate_hf_state_dict_to_smdistributed_gptj(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """A Hugging Face ``GPTJForCausalLM`` state dict -> SMP's names."""
-    return _translate(state_dict, _TOP, _LAYER, r"transformer\.h\.(\d+)\.(.+)\.(\w+)", "transformer.seq_layers",
-                      "translate_hf_state_dict_to_smdistributed_gptj")
+    return rename_layers(state_dict, _TOP, _LAYER, r"transformer\.h\.(\d+)\.(.+)\.(\w+)", "transformer.seq_layers",
+                         "translate_hf_state_dict_to_smdistributed_gptj", "GPT-J", _OLD_BUFFERS)
 
 
 def translate_state_dict_to_hf_gptj(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """An SMP GPT-J state dict -> ``GPTJForCausalLM``'s names (exact inverse)."""
-    return _translate(state_dict, {v: k for k, v in _TOP.items()}, {v: k for k, v in _LAYER.items()},
-                      r"transformer\.seq_layers\.(\d+)\.(.+)\.(\w+)", "transformer.h",
-                      "translate_state_dict_to_hf_gptj")
+    return rename_layers(state_dict, {v: k for k, v in _TOP.items()}, {v: k for k, v in _LAYER.items()},
+                         r"transformer\.seq_layers\.(\d+)\.(.+)\.(\w+)", "transformer.h",
+                         "translate_state_dict_to_hf_gptj", "GPT-J", _OLD_BUFFERS)
