@@ -2,12 +2,13 @@
 through ``model_creation(tensor_parallelism=True, ...)``, ``seq_layers`` partition assignment,
 activation checkpointing of ``.attention`` / ``.output``, translate functions for checkpoints), runs
 unchanged under ``torchrun`` at tensor_parallel_degree 1 (2 data-parallel ranks), 2, and 2 with
-pipeline_parallel_degree 2 (4 ranks: the distributed transformer cut into stages), and 2 with
+pipeline_parallel_degree 2 (4 ranks: the distributed transformer cut into stages; also with
+``--model-type gpt_neo``, a GPT-Neo with a global and a local attention layer), and 2 with
 sharded_data_parallel_degree 2 (4 ranks, prescaled_batch, delayed parameter initialization; SMP clips
 gradients at 1.0 with sharded data parallelism, and so does the reference), and equals
-single-process Hugging Face GPT-2 training from the same starting weights (losses per rank and the
+single-process Hugging Face training from the same starting weights (losses per rank and the
 final weights, rtol 1e-4); the checkpoint it writes in Hugging Face's names loads into a plain
-``GPT2LMHeadModel`` and gives the distributed model's logits."""
+Hugging Face model and gives the distributed model's logits."""
 
 from __future__ import annotations
 
@@ -34,10 +35,11 @@ def _script():
     return module
 
 
-def _reference(script, init: dict, ranks: int, clip: float | None = None) -> tuple[list[list[float]], dict]:
-    """Hugging Face GPT-2 trained in one process on the union of the ranks' rows (``clip``: SMP's
+def _reference(script, init: dict, ranks: int, clip: float | None = None,
+               model_type: str = "gpt2") -> tuple[list[list[float]], dict]:
+    """The Hugging Face model trained in one process on the union of the ranks' rows (``clip``: SMP's
     gradient clipping, on by default at 1.0 with sharded data parallelism)."""
-    model = script.GPT2LMHeadModel(script.model_config())
+    model = script.MODELS[model_type][0](script.model_config(model_type))
     model.load_state_dict(init)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.95), eps=EPS)
     ids, mask = script.batches(STEPS, B * ranks)
@@ -57,19 +59,20 @@ def _reference(script, init: dict, ranks: int, clip: float | None = None) -> tup
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,sdp", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 1, 2)])
-def test_smp_gpt2_transformer_script_runs_unchanged_and_matches_hugging_face(tp, pp, sdp, tmp_path):
+@pytest.mark.parametrize("tp,pp,sdp,model_type", [(1, 1, 1, "gpt2"), (2, 1, 1, "gpt2"), (2, 2, 1, "gpt2"),
+                                                   (2, 1, 2, "gpt2"), (2, 2, 1, "gpt_neo")])
+def test_smp_gpt2_transformer_script_runs_unchanged_and_matches_hugging_face(tp, pp, sdp, model_type, tmp_path):
     script = _script()
     torch.manual_seed(31)
-    init = script.GPT2LMHeadModel(script.model_config()).state_dict()
+    init = script.MODELS[model_type][0](script.model_config(model_type)).state_dict()
     torch.save(init, tmp_path / "init.pt")
     args = ["--tensor-parallel-degree", str(tp), "--pipeline-parallel-degree", str(pp), "--steps", str(STEPS),
             "--train-batch-size", str(B), "--init-from", str(tmp_path / "init.pt"), "--adam-eps", str(EPS),
-            "--checkpoint-dir", str(tmp_path)]
+            "--checkpoint-dir", str(tmp_path), "--model-type", model_type]
     if sdp > 1:  # SMP 1.15+: tensor parallelism with sharded data parallelism needs prescaled_batch
         args += ["--sharded-data-parallel-degree", str(sdp), "--prescaled-batch", "1", "--delayed-param", "1"]
     reports = run_torchrun(SCRIPT, 2 * pp * sdp, args, timeout_s=400)
-    losses, weights = _reference(script, init, 2, clip=1.0 if sdp > 1 else None)
+    losses, weights = _reference(script, init, 2, clip=1.0 if sdp > 1 else None, model_type=model_type)
     # 2 data ranks: per stage, or (prescaled_batch) per tensor-parallel group
     assert sorted(rep["dp_rank"] for rep in reports) == sorted([0, 1] * pp * sdp)
     for rep in reports:

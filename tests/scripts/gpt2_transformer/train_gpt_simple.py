@@ -1,13 +1,14 @@
-"""GPT-2 pre-training with SMP's distributed transformer, written the way SMP's GPT-2 example was.
+"""GPT-2 (or GPT-Neo, ``--model-type gpt_neo``) pre-training with SMP's distributed transformer, written
+the way SMP's GPT-2 example was.
 
-smp.init from arguments; a Hugging Face GPT-2 built from its config inside
+smp.init from arguments; a Hugging Face GPT-2 / GPT-Neo built from its config inside
 ``smp.model_creation(tensor_parallelism=smp.tp_size() > 1 or args.use_distributed_transformer > 0,
 ...)`` with the example's transformer settings (SMP replaces it by
 ``smp.nn.DistributedTransformerLMHead``); optionally the starting weights from a Hugging Face state
-dict through ``translate_hf_state_dict_to_smdistributed_gpt2``; ``seq_layers`` partition assignment;
+dict through ``translate_hf_state_dict_to_smdistributed_<model>``; ``seq_layers`` partition assignment;
 activation checkpointing of every layer's ``.attention`` and ``.output`` (or of ``seq_layers``);
 ``@smp.step`` with ``model.backward``; at the end a full checkpoint in Hugging Face's names through
-``translate_state_dict_to_hf_gpt2``, saved by rank 0 and loaded into a plain ``GPT2LMHeadModel``.
+``translate_state_dict_to_hf_<model>``, saved by rank 0 and loaded into a plain Hugging Face model.
 Synthetic tokens (no dataset download).
 
 Each rank writes ``$SMP2DS_SCRIPT_OUT/rank<N>.json``: losses, the final weights (HF names) and how
@@ -15,16 +16,21 @@ far the checkpoint's Hugging Face logits are from the distributed model's.
 """
 
 import argparse
+import functools
 import json
 import os
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, set_seed
+from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM, set_seed
 
 import smdistributed.modelparallel.torch as smp
 from smdistributed.modelparallel.torch.nn.huggingface.gpt2 import (
     translate_hf_state_dict_to_smdistributed_gpt2,
     translate_state_dict_to_hf_gpt2,
+)
+from smdistributed.modelparallel.torch.nn.huggingface.gptneo import (
+    translate_hf_state_dict_to_smdistributed_gptneo,
+    translate_state_dict_to_hf_gptneo,
 )
 
 VOCAB, SEQ = 48, 8
@@ -32,6 +38,7 @@ VOCAB, SEQ = 48, 8
 
 def parse_args():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model-type", choices=["gpt2", "gpt_neo"], default="gpt2")
     parser.add_argument("--tensor-parallel-degree", type=int, default=1)
     parser.add_argument("--pipeline-parallel-degree", type=int, default=1)
     parser.add_argument("--sharded-data-parallel-degree", type=int, default=1)
@@ -56,9 +63,19 @@ def parse_args():
     return parser.parse_args()
 
 
-def model_config():
+def model_config(model_type="gpt2"):
+    if model_type == "gpt_neo":  # one global and one local (window 3) attention layer
+        return GPTNeoConfig(num_layers=2, num_heads=4, hidden_size=16, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                            attention_types=[[["global", "local"], 1]], window_size=3, resid_dropout=0.0,
+                            embed_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0, use_cache=False)
     return GPT2Config(n_layer=2, n_head=4, n_embd=16, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False)
+
+
+MODELS = {"gpt2": (GPT2LMHeadModel, translate_hf_state_dict_to_smdistributed_gpt2,
+                   functools.partial(translate_state_dict_to_hf_gpt2, max_seq_len=SEQ)),
+          "gpt_neo": (GPTNeoForCausalLM, translate_hf_state_dict_to_smdistributed_gptneo,
+                      translate_state_dict_to_hf_gptneo)}
 
 
 def batches(steps, global_batch, seed=77):
@@ -92,16 +109,17 @@ def main():
         smp_config["delayed_parameter_initialization"] = args.delayed_param > 0
     smp.init(smp_config)
     set_seed(args.seed)
+    model_cls, hf_to_smp, smp_to_hf = MODELS[args.model_type]
     with smp.model_creation(tensor_parallelism=smp.tp_size() > 1 or args.use_distributed_transformer > 0,
                             dtype=torch.float32, distribute_embedding=False, use_alibi=False,
                             attention_in_fp32=args.attention_in_fp32 > 0,
                             fp32_residual_addition=args.residual_addition_in_fp32 > 0,
                             query_key_layer_scaling=args.query_key_layer_scaling > 0,
                             fused_softmax=args.fused_softmax > 0, fused_bias_gelu=args.fused_bias_gelu > 0):
-        model = GPT2LMHeadModel(model_config())
+        model = model_cls(model_config(args.model_type))
     model = smp.DistributedModel(model, trace_device="gpu")
     if args.init_from:
-        model.load_state_dict(translate_hf_state_dict_to_smdistributed_gpt2(torch.load(args.init_from)))
+        model.load_state_dict(hf_to_smp(torch.load(args.init_from)))
 
     transformer_layers = model.get_module().transformer.seq_layers
     if args.manual_partition:
@@ -130,17 +148,17 @@ def main():
         losses.append(train_step(model, ids[step, rows], mask[step, rows]).reduce_mean().item())
         optimizer.step()
 
-    hf_dict = translate_state_dict_to_hf_gpt2(model.state_dict(), max_seq_len=SEQ)  # collective under tp
+    hf_dict = smp_to_hf(model.state_dict())  # collective under tp
     report = {"rank": smp.rank(), "dp_rank": data_rank, "tp": [smp.tp_rank(), smp.tp_size()],
               "pp": [smp.pp_rank(), smp.pp_size()],
               "class": type(model.get_module()).__name__, "losses": losses,
               "weights": {k: v.float().flatten().tolist() for k, v in hf_dict.items()}}
     if args.checkpoint_dir:
-        path = os.path.join(args.checkpoint_dir, "gpt2_hf.pt")
+        path = os.path.join(args.checkpoint_dir, f"{args.model_type}_hf.pt")
         if smp.rank() == 0:
             smp.save(hf_dict, path, partial=False)
         smp.barrier()
-        hf = GPT2LMHeadModel(model_config())
+        hf = model_cls(model_config(args.model_type))
         hf.load_state_dict(smp.load(path, partial=False), strict=True)
         hf.eval()
         model.eval()
