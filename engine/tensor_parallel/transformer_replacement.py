@@ -227,6 +227,9 @@ def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
         new = DistributedTransformerLMHead(**gptneo_arguments(hf.config, settings))
         translated = translate_hf_state_dict_to_smdistributed_gptneo(hf.state_dict())
     elif type(hf).__name__ == "GPTNeoXForCausalLM":
+        from smp2ds.engine.nn.huggingface.gptneox import remember_num_attention_heads
+
+        remember_num_attention_heads(hf.config.num_attention_heads)  # SMP's translators default to it
         new = DistributedTransformerLMHead(**gptneox_arguments(hf.config, settings))
         translated = translate_hf_state_dict_to_smdistributed_gptneox(hf.state_dict(),
                                                                       hf.config.num_attention_heads)

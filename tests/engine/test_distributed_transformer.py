@@ -47,6 +47,8 @@ def test_translators_round_trip_exactly_both_ways_whole_model_and_layer():
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
     again = tr.translate_hf_state_dict_to_smdistributed_gpt2(back)
     assert set(again) == set(smp_sd) and all(torch.equal(again[k], smp_sd[k]) for k in smp_sd)
+    older = tr.translate_hf_state_dict_to_smdistributed(sd, 16)  # SMP's older name and signature
+    assert set(older) == set(smp_sd) and all(torch.equal(older[k], smp_sd[k]) for k in smp_sd)
     block = {k[len("transformer.h.0."):]: v for k, v in sd.items() if k.startswith("transformer.h.0.")}
     layer = tr.translate_hf_state_dict_to_smdistributed_gpt2_layer(block)
     assert set(layer) == {k[len("transformer.seq_layers.0."):] for k in smp_sd

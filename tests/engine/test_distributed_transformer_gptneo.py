@@ -40,8 +40,10 @@ def test_gptneo_translators_round_trip_exactly_and_drop_the_tied_head():
     sd = hf_neo(0, ["global", "local"]).state_dict()
     smp_sd = tr.translate_hf_state_dict_to_smdistributed_gptneo(sd)
     assert "transformer.seq_layers.1.attention.query.weight" in smp_sd and "lm_head.weight" not in smp_sd
-    back = tr.translate_state_dict_to_hf_gptneo(smp_sd)
+    back = tr.translate_state_dict_to_hf_gptneo(smp_sd, 16)  # SMP's signature: (state_dict, max_seq_len=None)
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    older = tr.translate_hf_gptneo_state_dict_to_smdistributed(sd, 16)  # SMP's older name
+    assert set(older) == set(smp_sd) and all(torch.equal(older[k], smp_sd[k]) for k in smp_sd)
     with pytest.raises(KeyError, match="'transformer.h.0.attn.odd.weight' is not a GPT-Neo parameter name"):
         tr.translate_hf_state_dict_to_smdistributed_gptneo({"transformer.h.0.attn.odd.weight": torch.zeros(1)})
 

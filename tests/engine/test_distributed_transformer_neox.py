@@ -35,16 +35,36 @@ def batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def test_neox_translators_round_trip_exactly():
+def test_neox_translators_round_trip_exactly(monkeypatch):
+    monkeypatch.setattr(tr, "_replaced_heads", [])  # no GPT-NeoX replaced yet in this process
     sd = hf_neox(0).state_dict()
     smp_sd = tr.translate_hf_state_dict_to_smdistributed_gptneox(sd, 4)
     assert "transformer.seq_layers.1.attention.value.bias" in smp_sd and "lm_head.weight" in smp_sd
-    back = tr.translate_state_dict_to_hf_gptneox(smp_sd, 4)
+    back = tr.translate_state_dict_to_hf_gptneox(smp_sd, num_attention_heads=4)
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
     again = tr.translate_hf_state_dict_to_smdistributed_gptneox(back, 4)
     assert set(again) == set(smp_sd) and all(torch.equal(again[k], smp_sd[k]) for k in smp_sd)
     with pytest.raises(ValueError, match="num_attention_heads is needed to split"):
         tr.translate_hf_state_dict_to_smdistributed_gptneox(sd)
+    with pytest.raises(ValueError, match="num_attention_heads is needed to fuse"):
+        tr.translate_state_dict_to_hf_gptneox(smp_sd, 16)  # SMP's second argument is max_seq_len
+
+
+def test_smp_signatures_take_the_head_count_of_the_replaced_model(monkeypatch):
+    """As SMP's GPT-NeoX example: build the model (replaced), then translate pretrained weights with
+    ``translate_hf_state_dict_to_smdistributed_gptneox(state_dict)`` and save with
+    ``translate_state_dict_to_hf_gptneox(state_dict, max_seq_len)``: no head count passed."""
+    monkeypatch.setattr(tr, "_replaced_heads", [])
+    with registry.tensor_parallelism(fused_softmax=True):
+        new = replace_marked(hf_neox(5)).eval()
+    pretrained = hf_neox(6).eval()
+    new.load_state_dict(tr.translate_hf_state_dict_to_smdistributed_gptneox(pretrained.state_dict()))
+    ids, _ = batch(8)
+    assert torch.allclose(new(input_ids=ids).logits, pretrained(input_ids=ids).logits, atol=1e-5, rtol=0)
+    back = tr.translate_state_dict_to_hf_gptneox(new.state_dict(), 16)
+    assert all(torch.equal(back[k], v) for k, v in pretrained.state_dict().items())
+    older = tr.translate_hf_gptneox_state_dict_to_smdistributed(pretrained.state_dict(), 16)
+    assert all(torch.equal(older[k], v) for k, v in new.state_dict().items())
 
 
 @pytest.mark.parametrize(("parallel", "factor"), [(True, 0.25), (False, 1.0)])
@@ -67,7 +87,7 @@ def test_smp_neox_state_dict_loads_into_hf_with_the_same_logits():
     with registry.tensor_parallelism(fused_softmax=True):
         new = replace_marked(hf_neox(5)).eval()
     hf = hf_neox(6).eval()
-    hf.load_state_dict(tr.translate_state_dict_to_hf_gptneox(new.state_dict(), 4), strict=True)
+    hf.load_state_dict(tr.translate_state_dict_to_hf_gptneox(new.state_dict(), num_attention_heads=4), strict=True)
     ids, _ = batch(8)
     assert torch.allclose(hf(input_ids=ids).logits, new(input_ids=ids).logits, atol=1e-5, rtol=0)
 

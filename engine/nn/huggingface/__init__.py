@@ -13,7 +13,7 @@ Hugging Face's loaders do not accept.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 MARKERS = ("_smp_is_partial", "_smp_load_info")
@@ -41,3 +41,15 @@ def rename_layers(state_dict: Mapping[str, Any], top: Mapping[str, str], layer: 
         elif not (m and f"{m.group(2)}.{m.group(3)}" in skipped):
             raise KeyError(f"{fn}: {key!r} is not a {family} parameter name this translator knows")
     return out
+
+
+def older_name(name: str, translate: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """SMP's older ``translate_hf_<model>_state_dict_to_smdistributed(state_dict, max_seq_len)``, called
+    ``name``: the same translation as ``translate``; ``max_seq_len`` is accepted and unused."""
+
+    def older(state_dict: Mapping[str, Any], max_seq_len: int | None = None) -> dict[str, Any]:
+        return translate(state_dict)
+
+    older.__name__ = older.__qualname__ = name
+    older.__doc__ = f"SMP's older name of ``{translate.__name__}`` (``max_seq_len`` accepted, unused)."
+    return older

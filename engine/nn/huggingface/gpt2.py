@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from smp2ds.engine.nn.huggingface import same_layout
+from smp2ds.engine.nn.huggingface import older_name, same_layout
 
 _PLAIN_LAYER = {"ln_1": "attention.layernorm", "ln_2": "output.layernorm"}
 _T_LAYER = {"attn.c_proj": "attention.dense", "mlp.c_fc": "output.dense1", "mlp.c_proj": "output.dense2"}
@@ -144,3 +144,7 @@ def translate_state_dict_to_hf_gpt2_layer(state_dict: Mapping[str, Any],
     if unknown:
         raise _unknown(fn, unknown[0])
     return _smp_layer_to_hf(sd, "", "", fn)
+
+
+translate_hf_state_dict_to_smdistributed = older_name(
+    "translate_hf_state_dict_to_smdistributed", translate_hf_state_dict_to_smdistributed_gpt2)

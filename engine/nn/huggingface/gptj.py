@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from smp2ds.engine.nn.huggingface import rename_layers
+from smp2ds.engine.nn.huggingface import older_name, rename_layers
 
 _TOP = {"transformer.wte.weight": "word_embedding.weight", "transformer.ln_f.weight": "transformer.layernorm.weight",
         "transformer.ln_f.bias": "transformer.layernorm.bias", "lm_head.weight": "lm_head.weight",
@@ -32,8 +32,13 @@ def translate_hf_state_dict_to_smdistributed_gptj(state_dict: Mapping[str, Any])
                          "translate_hf_state_dict_to_smdistributed_gptj", "GPT-J", _OLD_BUFFERS)
 
 
-def translate_state_dict_to_hf_gptj(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """An SMP GPT-J state dict -> ``GPTJForCausalLM``'s names (exact inverse)."""
+def translate_state_dict_to_hf_gptj(state_dict: Mapping[str, Any], max_seq_len: int | None = None) -> dict[str, Any]:
+    """An SMP GPT-J state dict -> ``GPTJForCausalLM``'s names (exact inverse; ``max_seq_len``: SMP's
+    argument, nothing to rebuild)."""
     return rename_layers(state_dict, {v: k for k, v in _TOP.items()}, {v: k for k, v in _LAYER.items()},
                          r"transformer\.seq_layers\.(\d+)\.(.+)\.(\w+)", "transformer.h",
                          "translate_state_dict_to_hf_gptj", "GPT-J", _OLD_BUFFERS)
+
+
+translate_hf_gptj_state_dict_to_smdistributed = older_name(
+    "translate_hf_gptj_state_dict_to_smdistributed", translate_hf_state_dict_to_smdistributed_gptj)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from smp2ds.engine.nn.huggingface import rename_layers
+from smp2ds.engine.nn.huggingface import older_name, rename_layers
 
 _TOP = {"transformer.wte.weight": "word_embedding.weight", "transformer.wpe.weight": "position_embedding.weight",
         "transformer.ln_f.weight": "transformer.layernorm.weight",
@@ -40,11 +40,16 @@ def translate_hf_state_dict_to_smdistributed_gptneo(state_dict: Mapping[str, Any
     return out
 
 
-def translate_state_dict_to_hf_gptneo(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """An SMP GPT-Neo state dict -> ``GPTNeoForCausalLM``'s names (exact inverse; a tied head is restored)."""
+def translate_state_dict_to_hf_gptneo(state_dict: Mapping[str, Any], max_seq_len: int | None = None) -> dict[str, Any]:
+    """An SMP GPT-Neo state dict -> ``GPTNeoForCausalLM``'s names (exact inverse; a tied head is restored;
+    ``max_seq_len``: SMP's argument, nothing to rebuild)."""
     out = rename_layers(state_dict, {v: k for k, v in _TOP.items()}, {v: k for k, v in _LAYER.items()},
                         r"transformer\.seq_layers\.(\d+)\.(.+)\.(\w+)", "transformer.h",
                         "translate_state_dict_to_hf_gptneo", "GPT-Neo", _OLD_BUFFERS)
     if "lm_head.weight" not in out and "transformer.wte.weight" in out:
         out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
+
+
+translate_hf_gptneo_state_dict_to_smdistributed = older_name(
+    "translate_hf_gptneo_state_dict_to_smdistributed", translate_hf_state_dict_to_smdistributed_gptneo)

@@ -9,6 +9,13 @@ then of head 1, ...) <-> ``attention.query`` / ``key`` / ``value``; ``attention.
 ``gpt_neox.final_layer_norm`` <-> ``transformer.layernorm``; ``lm_head`` (``embed_out`` in older
 transformers) <-> ``lm_head``. Exact both ways; unknown keys are refused by name. A state dict of the
 in-place sharded model already has Hugging Face's names: give it to Hugging Face as is.
+
+Splitting or fusing q/k/v needs the head count. As in SMP, scripts may leave it out: the translators
+then use the head count of the last ``GPTNeoXForCausalLM`` replaced by SMP's transformer in this
+process (SMP's GPT-NeoX example translates its pretrained weights that way). SMP's signatures are
+kept: ``translate_state_dict_to_hf_gptneox(state_dict, max_seq_len=None)`` (``max_seq_len`` is
+accepted; current Hugging Face GPT-NeoX keeps no mask buffer to rebuild) and the older
+``translate_hf_gptneox_state_dict_to_smdistributed(state_dict, max_seq_len)``.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any
 
 import torch
 
-from smp2ds.engine.nn.huggingface import same_layout
+from smp2ds.engine.nn.huggingface import older_name, same_layout
 
 _TOP = {"gpt_neox.embed_in.weight": "word_embedding.weight", "gpt_neox.final_layer_norm.weight":
         "transformer.layernorm.weight", "gpt_neox.final_layer_norm.bias": "transformer.layernorm.bias",
@@ -29,6 +36,22 @@ _LAYER = {"input_layernorm": "attention.layernorm", "post_attention_layernorm": 
           "attention.dense": "attention.dense", "mlp.dense_h_to_4h": "output.dense1",
           "mlp.dense_4h_to_h": "output.dense2"}
 _QKV = ("query", "key", "value")
+_replaced_heads: list[int] = []
+"""``num_attention_heads`` of the last GPT-NeoX replaced by SMP's transformer (empty before any)."""
+
+
+def remember_num_attention_heads(heads: int) -> None:
+    """Called when a ``GPTNeoXForCausalLM`` is replaced: the translators' default head count."""
+    _replaced_heads[:] = [int(heads)]
+
+
+def _heads(given: int | None, fn: str, what: str) -> int:
+    if given is not None:
+        return int(given)
+    if _replaced_heads:
+        return _replaced_heads[0]
+    raise ValueError(f"{fn}: num_attention_heads is needed to {what} (q, k, v per head): pass "
+                     "num_attention_heads=, or replace a GPTNeoXForCausalLM first (smp.DistributedModel)")
 
 
 def _unknown(fn: str, key: str) -> KeyError:
@@ -60,18 +83,18 @@ def translate_hf_state_dict_to_smdistributed_gptneox(state_dict: Mapping[str, An
         elif m and m.group(2) in _LAYER:
             out[f"transformer.seq_layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"] = value
         elif m and m.group(2) == "attention.query_key_value":
-            if num_attention_heads is None:
-                raise ValueError(f"{fn}: num_attention_heads is needed to split {key!r} (q, k, v per head)")
-            for name, part in zip(_QKV, _split_qkv(value, num_attention_heads), strict=True):
+            heads = _heads(num_attention_heads, fn, f"split {key!r}")
+            for name, part in zip(_QKV, _split_qkv(value, heads), strict=True):
                 out[f"transformer.seq_layers.{m.group(1)}.attention.{name}.{m.group(3)}"] = part
         elif not (m and m.group(2).startswith("attention.rotary_emb")):  # old transformers' buffers
             raise _unknown(fn, key)
     return out
 
 
-def translate_state_dict_to_hf_gptneox(state_dict: Mapping[str, Any],
+def translate_state_dict_to_hf_gptneox(state_dict: Mapping[str, Any], max_seq_len: int | None = None,
                                        num_attention_heads: int | None = None) -> dict[str, Any]:
-    """An SMP GPT-NeoX state dict -> ``GPTNeoXForCausalLM``'s names (exact inverse; same ``num_attention_heads``)."""
+    """An SMP GPT-NeoX state dict -> ``GPTNeoXForCausalLM``'s names (exact inverse; same ``num_attention_heads``;
+    ``max_seq_len``: SMP's argument, nothing to rebuild)."""
     fn = "translate_state_dict_to_hf_gptneox"
     sd = same_layout(state_dict)
     inverse_top = {v: k for k, v in _TOP.items()}
@@ -89,14 +112,16 @@ def translate_state_dict_to_hf_gptneox(state_dict: Mapping[str, Any],
         else:
             raise _unknown(fn, key)
     for (layer, leaf), parts in fused.items():
-        if num_attention_heads is None:
-            raise ValueError(f"{fn}: num_attention_heads is needed to fuse layer {layer}'s q, k, v per head")
         out[f"gpt_neox.layers.{layer}.attention.query_key_value.{leaf}"] = _join_qkv(
-            [parts[n] for n in _QKV], num_attention_heads)
+            [parts[n] for n in _QKV], _heads(num_attention_heads, fn, f"fuse layer {layer}'s q, k, v"))
     head = _installed_head_name()
     if "lm_head.weight" in out and head != "lm_head.weight":
         out[head] = out.pop("lm_head.weight")
     return out
+
+
+translate_hf_gptneox_state_dict_to_smdistributed = older_name(
+    "translate_hf_gptneox_state_dict_to_smdistributed", translate_hf_state_dict_to_smdistributed_gptneox)
 
 
 @functools.cache
