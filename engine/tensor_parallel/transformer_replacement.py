@@ -203,6 +203,7 @@ def gptneo_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
         "add_lm_head": True, "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", True)),
         "scale_attention_scores": False, "attention_in_fp32": True, "use_qkv_bias": False,
         "attention_layers_type": list(config.attention_layers), "window_size": config.window_size,
+        "mask_value": -1e9,  # as SMP's GPT-Neo replacement: unscaled fp32 scores can be large
     }
     return {**args, **settings}
 

@@ -89,3 +89,23 @@ def test_bad_local_attention_settings_are_refused_naming_them(kwargs, text):
         smp.nn.DistributedTransformer(num_layers=2, num_attention_heads=2, attention_head_size=4, hidden_size=8,
                                       intermediate_size=16, causal_mask_size=8, pre_layernorm=True,
                                       post_layernorm=False, **kwargs)
+
+
+def test_masked_positions_stay_masked_when_unscaled_scores_are_large():
+    """GPT-Neo does not scale its fp32 attention scores; with large q/k weights they pass 1e4 in magnitude,
+    where SMP's default mask value (-1e4) would let masked (future) positions win. The replacement masks
+    with -1e9 as SMP's GPT-Neo replacement does, and still equals Hugging Face."""
+    with registry.tensor_parallelism(fused_softmax=True):
+        new = replace_marked(hf_neo(4, ["global", "local"])).eval()
+    ref = hf_neo(4, ["global", "local"]).eval()
+    with torch.no_grad():
+        for model, names in ((ref, ("attn.attention.q_proj", "attn.attention.k_proj")),
+                             (new, ("attention.query", "attention.key"))):
+            for name, p in model.named_parameters():
+                if any(n in name for n in names):
+                    p.mul_(400)
+    ids, _ = batch()
+    with torch.no_grad():
+        got, want = new(input_ids=ids).logits, ref(input_ids=ids).logits
+    # with mask_value -1e4 this differs by thousands (checked when the test was written)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
