@@ -21,3 +21,10 @@ def assert_same_logits_loss_and_gradients(new: torch.nn.Module, ref: torch.nn.Mo
     ref_grads = translate({n: p.grad for n, p in ref.named_parameters()})
     for name, p in new.named_parameters():
         assert torch.allclose(p.grad, ref_grads[name], atol=1e-6, rtol=1e-5), name
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    """Two state dicts with the same keys and bit-identical tensors (a translator's exact round trip)."""
+    assert set(got) == set(want), (sorted(set(got) ^ set(want)))
+    unequal = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not unequal, unequal

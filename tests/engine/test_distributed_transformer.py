@@ -12,6 +12,7 @@ from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedErro
 from smp2ds.engine.nn.huggingface import gpt2 as tr
 from smp2ds.engine.tensor_parallel import registry
 from smp2ds.engine.tensor_parallel.transformer_replacement import gpt2_arguments, replace_marked
+from tests.engine.hf_equivalence import assert_same_state
 
 VOCAB = 40
 
@@ -44,17 +45,17 @@ def test_translators_round_trip_exactly_both_ways_whole_model_and_layer():
     assert "transformer.seq_layers.1.attention.query.weight" in smp_sd and "lm_head.weight" not in smp_sd
     assert smp_sd["transformer.seq_layers.0.output.dense1.weight"].shape == (64, 16)  # [out, in]
     back = tr.translate_state_dict_to_hf_gpt2(smp_sd, max_seq_len=16)
-    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    assert_same_state(back, sd)
     again = tr.translate_hf_state_dict_to_smdistributed_gpt2(back)
-    assert set(again) == set(smp_sd) and all(torch.equal(again[k], smp_sd[k]) for k in smp_sd)
+    assert_same_state(again, smp_sd)
     older = tr.translate_hf_state_dict_to_smdistributed(sd, 16)  # SMP's older name and signature
-    assert set(older) == set(smp_sd) and all(torch.equal(older[k], smp_sd[k]) for k in smp_sd)
+    assert_same_state(older, smp_sd)
     block = {k[len("transformer.h.0."):]: v for k, v in sd.items() if k.startswith("transformer.h.0.")}
     layer = tr.translate_hf_state_dict_to_smdistributed_gpt2_layer(block)
     assert set(layer) == {k[len("transformer.seq_layers.0."):] for k in smp_sd
                           if k.startswith("transformer.seq_layers.0.")}
     block_back = tr.translate_state_dict_to_hf_gpt2_layer(layer)
-    assert set(block_back) == set(block) and all(torch.equal(block_back[k], block[k]) for k in block)
+    assert_same_state(block_back, block)
     with pytest.raises(KeyError, match="'transformer.h.0.attn.extra' is not a GPT-2 parameter name"):
         tr.translate_hf_state_dict_to_smdistributed_gpt2({"transformer.h.0.attn.extra": torch.zeros(1)})
     with pytest.raises(KeyError, match="translate_state_dict_to_hf_gpt2: 'foo.weight' is not a GPT-2"):

@@ -13,7 +13,7 @@ from smp2ds.engine.nn.huggingface import bert as bert_tr
 from smp2ds.engine.nn.huggingface import roberta as roberta_tr
 from smp2ds.engine.tensor_parallel import registry
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
-from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients
+from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients, assert_same_state
 
 VOCAB = 40
 
@@ -47,9 +47,9 @@ def test_encoder_translators_round_trip_exactly(family, translator):
     assert f"{family}.encoder.seq_layers.0.output.dense2.weight" in smp_sd
     assert f"{family}.embeddings.word_embeddings.weight" in smp_sd  # outside the encoder: unchanged
     back = to_hf(smp_sd)
-    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    assert_same_state(back, sd)
     again = to_smp(back)
-    assert set(again) == set(smp_sd) and all(torch.equal(again[k], smp_sd[k]) for k in smp_sd)
+    assert_same_state(again, smp_sd)
     with pytest.raises(KeyError, match=f"'{family}.encoder.layer.0.odd.weight' is not an encoder-layer parameter"):
         to_smp({f"{family}.encoder.layer.0.odd.weight": torch.zeros(1)})
 

@@ -13,7 +13,7 @@ from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import gptj as tr
 from smp2ds.engine.tensor_parallel import registry
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
-from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients
+from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients, assert_same_state
 
 VOCAB = 40
 
@@ -34,9 +34,9 @@ def test_gptj_translators_round_trip_exactly():
     smp_sd = tr.translate_hf_state_dict_to_smdistributed_gptj(sd)
     assert {"lm_head_bias", "transformer.seq_layers.1.attention.query.weight"} <= set(smp_sd)
     back = tr.translate_state_dict_to_hf_gptj(smp_sd, 16)  # SMP's signature: (state_dict, max_seq_len=None)
-    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    assert_same_state(back, sd)
     older = tr.translate_hf_gptj_state_dict_to_smdistributed(sd, 16)  # SMP's older name
-    assert set(older) == set(smp_sd) and all(torch.equal(older[k], smp_sd[k]) for k in smp_sd)
+    assert_same_state(older, smp_sd)
     with pytest.raises(KeyError, match="'transformer.h.0.attn.odd.weight' is not a GPT-J parameter name"):
         tr.translate_hf_state_dict_to_smdistributed_gptj({"transformer.h.0.attn.odd.weight": torch.zeros(1)})
 

@@ -13,7 +13,7 @@ from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import gptneox as tr
 from smp2ds.engine.tensor_parallel import registry
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
-from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients
+from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients, assert_same_state
 
 VOCAB = 40
 
@@ -41,9 +41,9 @@ def test_neox_translators_round_trip_exactly(monkeypatch):
     smp_sd = tr.translate_hf_state_dict_to_smdistributed_gptneox(sd, 4)
     assert "transformer.seq_layers.1.attention.value.bias" in smp_sd and "lm_head.weight" in smp_sd
     back = tr.translate_state_dict_to_hf_gptneox(smp_sd, num_attention_heads=4)
-    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    assert_same_state(back, sd)
     again = tr.translate_hf_state_dict_to_smdistributed_gptneox(back, 4)
-    assert set(again) == set(smp_sd) and all(torch.equal(again[k], smp_sd[k]) for k in smp_sd)
+    assert_same_state(again, smp_sd)
     with pytest.raises(ValueError, match="num_attention_heads is needed to split"):
         tr.translate_hf_state_dict_to_smdistributed_gptneox(sd)
     with pytest.raises(ValueError, match="num_attention_heads is needed to fuse"):
@@ -62,9 +62,9 @@ def test_smp_signatures_take_the_head_count_of_the_replaced_model(monkeypatch):
     ids, _ = batch(8)
     assert torch.allclose(new(input_ids=ids).logits, pretrained(input_ids=ids).logits, atol=1e-5, rtol=0)
     back = tr.translate_state_dict_to_hf_gptneox(new.state_dict(), 16)
-    assert all(torch.equal(back[k], v) for k, v in pretrained.state_dict().items())
+    assert_same_state(back, pretrained.state_dict())
     older = tr.translate_hf_gptneox_state_dict_to_smdistributed(pretrained.state_dict(), 16)
-    assert all(torch.equal(older[k], v) for k, v in new.state_dict().items())
+    assert_same_state(older, new.state_dict())
 
 
 @pytest.mark.parametrize(("parallel", "factor"), [(True, 0.25), (False, 1.0)])

@@ -13,6 +13,7 @@ from smp2ds.engine.tensor_parallel.group import TPGroup
 from smp2ds.engine.tensor_parallel.layers import make_column_parallel, make_row_parallel
 from smp2ds.engine.tensor_parallel.shards import ShardSpec, spec_of
 from tests.engine import tp_workers as tw
+from tests.engine.hf_equivalence import assert_same_state
 
 
 @pytest.mark.parametrize(("tp", "blocks"), [(2, 1), (2, 3), (4, 3), (4, 1)])
@@ -109,7 +110,7 @@ def test_huggingface_translators_round_trip_exactly(module, family, extra):
     hf = model.state_dict()
     marked = {**to_smp(hf, **extra), "_smp_is_partial": False, "_smp_load_info": {}}
     back = to_hf(marked, **extra)
-    assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+    assert_same_state(back, hf)
     model.load_state_dict(back, strict=True)
     with pytest.raises(TypeError, match="a state dict"):
         to_hf([1, 2])
