@@ -53,9 +53,16 @@ OPTIONS: tuple[OptionFate, ...] = (
                "with labels returns (loss, None)); nothing to split at tp 1; refused when the vocabulary is not "
                "divisible by tp, with pipeline_parallel_degree > 1, and by modules without an embedding "
                "(DistributedTransformer: BERT/RoBERTa encoders)"),
+    OptionFate("flash_attention", IMPLEMENTED,
+               "attention by PyTorch's scaled_dot_product_attention (FlashAttention / memory-efficient kernels on "
+               "GPUs: no [N, heads, S, S] scores kept for backward), with every attention setting of the eager "
+               "path; equal to it within rounding"),
+    OptionFate("triton_flash_attention", IMPLEMENTED, "the same scaled_dot_product_attention path as "
+               "flash_attention (SMP's Triton kernel served ALiBi, which is refused)"),
     OptionFate("use_normal_initialization", NO_EFFECT,
                "fresh weights are drawn from N(0, initializer_range) whatever its value; replaced Hugging Face "
-               "models keep their own weights"),
+               "models keep the weights Hugging Face initialised or loaded, and draw fresh ones where the script "
+               "skipped Hugging Face's init"),
 )
 
 

@@ -167,7 +167,9 @@ def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> 
     # CPU accelerator then counts devices by running `numactl --hardware` on every call (ZeRO-3
     # asks once per reduce-scatter bucket): a fork and exec each time.
     os.environ.setdefault("LOCAL_SIZE", str(launch.local_size))
-    if backend == "nccl" and torch.cuda.is_available():
+    if torch.cuda.is_available() and _accelerator_is_cuda():
+        # SMP always selected cuda:local_rank(), whatever the collective backend: scripts that call
+        # .to(torch.device("cuda")) before the engine exists then land on the model's device.
         torch.cuda.set_device(launch.local_rank)
     timeout = timeout_from_env()
     if timeout > 0 and launch.world_size > 1:
@@ -247,3 +249,10 @@ def shutdown() -> None:
 def is_initialized() -> bool:
     """True after ``smp.init()`` (SMP API)."""
     return state.initialized
+
+
+def _accelerator_is_cuda() -> bool:
+    """DeepSpeed places the model on CUDA (not forced to the CPU with ``DS_ACCELERATOR=cpu``)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cuda"

@@ -91,23 +91,25 @@ def split_value(value: Any, n: int, axis: int, where: str) -> list[Any]:
         return [value.smp_slice(n, i, axis) for i in range(n)]
     if isinstance(value, Mapping):
         parts = {k: split_value(v, n, axis, f"{where}[{k!r}]") for k, v in value.items()}
-        return [_rebuild_mapping(value, {k: p[i] for k, p in parts.items()}) for i in range(n)]
+        return [rebuild_mapping(value, {k: p[i] for k, p in parts.items()}) for i in range(n)]
     if isinstance(value, (list, tuple, set, frozenset)):
         items = list(value)
         parts_l = [split_value(v, n, axis, f"{where}[{j}]") for j, v in enumerate(items)]
-        return [_rebuild_sequence(value, [p[i] for p in parts_l]) for i in range(n)]
+        return [rebuild_sequence(value, [p[i] for p in parts_l]) for i in range(n)]
     _warn_shared(value, where)
     return [value] * n
 
 
-def _rebuild_mapping(template: Mapping, items: dict) -> Any:
+def rebuild_mapping(template: Mapping, items: dict) -> Any:
+    """A mapping of ``template``'s type holding ``items`` (a plain dict if that type cannot be built so)."""
     try:
         return type(template)(items)
     except Exception:  # noqa: BLE001 - mapping types whose constructor differs: fall back to dict
         return dict(items)
 
 
-def _rebuild_sequence(template: Any, items: list) -> Any:
+def rebuild_sequence(template: Any, items: list) -> Any:
+    """A list, tuple, named tuple or set of ``template``'s type holding ``items`` (else a list)."""
     if isinstance(template, tuple) and hasattr(template, "_fields"):
         return type(template)(*items)  # namedtuple
     try:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from smp2ds.engine.core import model_io
+from smp2ds.engine.core import device_placement, model_io
 from smp2ds.engine.core.backend_registry import make_backend
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import (
@@ -103,6 +103,10 @@ class DistributedModel(torch.nn.Module):
         self.average_grads_across_microbatches = bool(average_grads_across_microbatches)
         self.ignored_arguments = _explain(kwargs)
         object.__setattr__(self, "backend", make_backend(module, state))
+        # SMP moved the tensors a step receives to the model's device (cuda:local_rank()); None on
+        # the CPU, where inputs are left exactly as given (see device_placement).
+        object.__setattr__(self, "_input_device", device_placement.step_input_device(
+            state.launch.local_rank, state.groups.coords.pp_rank))
         # OrderedDict, not dict: torch's RemovableHandle keeps a weak reference to it
         self._post_step_hooks: dict[int, Callable] = OrderedDict()
         self._post_partition_hooks: dict[int, Callable] = OrderedDict()
@@ -171,6 +175,8 @@ class DistributedModel(torch.nn.Module):
         if self._count.steps_done == 0:
             self._run_hooks(self._post_partition_hooks)
         self._count.backwards_in_call = 0
+        if self._input_device is not None:
+            args, kwargs = step_fn.to_device(args, kwargs, self._input_device)
         outputs = self.backend.run_step(self, step_fn, args, kwargs)
         if self._count.backwards_in_call:
             self._count.calls_since_sync += 1

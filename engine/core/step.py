@@ -3,7 +3,9 @@
 The decorator does not own the micro-batch loop: it asks the ``DistributedModel`` to run the
 step (``model.run_step(step_fn, args, kwargs)``), whose backend loops here in this process
 (data parallelism, MiCS) or hands the mini-batch to DeepSpeed's pipeline engine. A backend gets
-this ``StepFunction`` and uses :meth:`StepFunction.split` and :attr:`StepFunction.func`.
+this ``StepFunction`` and uses :meth:`StepFunction.split` and :attr:`StepFunction.func`. Before
+that, the model moves the call's tensors to its device with :meth:`StepFunction.to_device` (SMP's
+placement, :mod:`smp2ds.engine.core.device_placement`; nothing happens when it runs on the CPU).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from smp2ds.engine.core.device_placement import arguments_to_device
 from smp2ds.engine.core.microbatch_split import Piece, check_spec, positional_names, split_named
 from smp2ds.engine.core.state import state
 from smp2ds.engine.core.step_output import collect
@@ -30,12 +35,21 @@ class StepFunction:
         self._names: dict[int, list[str]] = {}  # positional count -> parameter names (signature is slow)
         functools.update_wrapper(self, func)
 
+    def _positional_names(self, count: int) -> list[str]:
+        names = self._names.get(count)
+        if names is None:
+            names = self._names[count] = positional_names(self.func, count)
+        return names
+
     def split(self, args: tuple, kwargs: dict, num_microbatches: int) -> list[Piece]:
         """The per-micro-batch ``(args, kwargs)`` of one call."""
-        names = self._names.get(len(args))
-        if names is None:
-            names = self._names[len(args)] = positional_names(self.func, len(args))
+        names = self._positional_names(len(args))
         return split_named(names, args, kwargs, num_microbatches, self.non_split_inputs, self.input_split_axes)
+
+    def to_device(self, args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
+        """One call's arguments with their tensors on the model's ``device`` (SMP's placement; see
+        :mod:`smp2ds.engine.core.device_placement`), ``non_split_inputs`` included."""
+        return arguments_to_device(self._positional_names(len(args)), args, kwargs, device)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state.require()

@@ -2,11 +2,12 @@
 
 With ``SM_HP_MP_PARAMETERS`` (containing ``partitions``) and ``SM_FRAMEWORK_PARAMS``
 (``sagemaker_mpi_enabled``) set, transformers imports ``smdistributed.modelparallel.torch``
-(smp2ds), calls ``smp.init()`` and takes its SMP path. On current transformers releases that path
-fails or trains wrongly in several places; importing smp2ds's ``smdistributed`` package installs
-the repairs below into ``TrainingArguments`` and ``Trainer`` (see `class_repair_hook` for when),
-so a plain ``Trainer`` script runs unchanged. Every repaired method defers to transformers' own
-when SMP is not enabled.
+(smp2ds), calls ``smp.init()`` and takes its SMP path. On the supported releases (4.57 and 5.x
+alike) that path fails or trains wrongly in several places; importing smp2ds's ``smdistributed``
+package installs the repairs below into ``TrainingArguments`` and ``Trainer`` (see
+`class_repair_hook` for when), so a plain ``Trainer`` script runs unchanged. Every repaired method
+defers to transformers' own when SMP is not enabled. An older transformers is refused by name
+(`transformers_compat.require_supported_transformers`) when these classes are defined.
 
 ``TrainingArguments``:
 
@@ -50,6 +51,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.integrations.class_repair_hook import ClassRepair, install
+from smp2ds.engine.integrations.transformers_compat import require_supported_transformers
 
 __all__ = ["install_transformers_repairs"]
 
@@ -78,6 +80,7 @@ def _replace(cls: type, name: str, make: Any) -> None:
 
 # ---- TrainingArguments -----------------------------------------------------------------------
 def repair_training_arguments(cls: type) -> None:
+    require_supported_transformers()
     if not _mark_once(cls):
         return
     stock = cls.__dict__["_setup_devices"].func
@@ -169,6 +172,7 @@ def _shard_by_data_parallel_rank(trainer: Any, loader: Any) -> Any:
 
 
 def repair_trainer(cls: type) -> None:
+    require_supported_transformers()
     if not _mark_once(cls):
         return
     from smp2ds.engine.core.optimizer import DistributedOptimizer

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.nn import flash_attention as fa
 from smp2ds.engine.nn import sequence_parallel as seq
 from smp2ds.engine.nn import transformer_options as opts
 from smp2ds.engine.tensor_parallel import group as tp_group
@@ -229,30 +230,42 @@ class DistributedAttentionLayer(RegionModule):
         q, k, v = (self._heads(t) for t in qkv)
         if o.rotary_dim:
             q, k = (_rotary(t, o.rotary_dim, o.rotary_emb_base, o.gpt_neox_type_rotary) for t in (q, k))
-        in_fp32 = o.attention_in_fp32 or o.query_key_layer_scaling
-        if in_fp32:
+        attend = self._sdpa if o.sdpa else self._eager
+        context = attend(q, k, v, mask).transpose(1, 2).reshape(hidden.shape[0], q.shape[-2], -1)
+        out = seq.dropout(self.hidden_dropout, self.dense(context, split), split)
+        if o.parallel_attn_output:
+            return out  # the layer adds attention, MLP and residual together
+        out = _residual_add(out, hidden, o.fp32_residual_addition)
+        return out if self.pre_layernorm else norm(self.layernorm, out, split)
+
+    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The context ``[N, heads, S, head size]`` from explicit scores and probabilities (SMP's reference)."""
+        o = self.options
+        if o.attention_fp32:
             q, k = q.float(), k.float()
         scores = torch.matmul(q, k.transpose(-1, -2))
         if o.scale_attention_scores:
             scores = scores / math.sqrt(self.attention_head_size)
         if o.scale_attn_by_layer_idx:
             scores = scores / float(self.layer_idx + 1)
-        s = scores.shape[-1]
         if self.causal_mask_size is not None:
-            causal = torch.ones(s, s, dtype=torch.bool, device=scores.device).tril()
-            window = o.local_window(self.layer_idx)
-            if window is not None:  # a local layer (GPT-Neo) sees only the `window` most recent positions
-                causal = causal.triu(1 - window)
+            # a local layer (GPT-Neo) sees only the `window` most recent positions
+            causal = fa.causal_keep(scores.shape[-1], o.local_window(self.layer_idx), scores.device)
             scores = scores.masked_fill(~causal, o.mask_value)
         if mask is not None:
             scores = scores + mask.to(scores.dtype)
         probs = self.attention_dropout(torch.softmax(scores, dim=-1).to(v.dtype))
-        context = torch.matmul(probs, v).transpose(1, 2).reshape(hidden.shape[0], s, -1)
-        out = seq.dropout(self.hidden_dropout, self.dense(context, split), split)
-        if o.parallel_attn_output:
-            return out  # the layer adds attention, MLP and residual together
-        out = _residual_add(out, hidden, o.fp32_residual_addition)
-        return out if self.pre_layernorm else norm(self.layernorm, out, split)
+        return torch.matmul(probs, v)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``flash_attention=True``: the same context by PyTorch's fused attention (:mod:`flash_attention`);
+        its dropout draws from the current stream, the tensor-parallel group's inside a region."""
+        o, drop = self.options, self.attention_dropout
+        return fa.sdpa_context(
+            q, k, v, mask, causal=self.causal_mask_size is not None, window=o.local_window(self.layer_idx),
+            scale=fa.score_scale(self.attention_head_size, o.scale_attention_scores, o.scale_attn_by_layer_idx,
+                                 self.layer_idx),
+            dropout_p=drop.p if drop.training else 0.0, in_fp32=o.attention_fp32)
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -40,6 +40,20 @@ class Options:
     """'global' or 'local' for every layer, or one of them per layer (GPT-Neo's ``attention_layers``)."""
     window_size: int | None = None
     """Local layers attend to the ``window_size`` most recent positions, their own included."""
+    flash_attention: bool = False
+    """Attention by ``torch.nn.functional.scaled_dot_product_attention`` (:mod:`flash_attention`)."""
+    triton_flash_attention: bool = False
+    """SMP's Triton FlashAttention kernel (for ALiBi, refused): the same SDPA path here."""
+
+    @property
+    def sdpa(self) -> bool:
+        """True when attention runs through PyTorch's fused SDPA instead of explicit scores."""
+        return bool(self.flash_attention or self.triton_flash_attention)
+
+    @property
+    def attention_fp32(self) -> bool:
+        """Scores and softmax in fp32 (``attention_in_fp32``; ``query_key_layer_scaling`` amounts to the same)."""
+        return bool(self.attention_in_fp32 or self.query_key_layer_scaling)
 
     def local_window(self, layer_idx: int) -> int | None:
         """The attention window of layer ``layer_idx`` if it is a local layer, else None (global)."""
@@ -60,8 +74,6 @@ _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "rotary_pct": (None,),
     "use_alibi": (False, None),
     "alibi_bias_max": (8, None),
-    "flash_attention": (False, None),
-    "triton_flash_attention": (False, None),
     "_output_full_batch": (False, None),
 }
 """Extras smp2ds does not implement: only their 'off' values are accepted."""
@@ -72,8 +84,6 @@ _WHY = {
     "rotary_pct": "rotary_pct (give rotary_dim, the number of rotated features per head)",
     "use_alibi": "ALiBi attention biases",
     "alibi_bias_max": "ALiBi attention biases",
-    "flash_attention": "FlashAttention kernels",
-    "triton_flash_attention": "FlashAttention kernels",
     "_output_full_batch": "full-batch outputs of a prescaled region",
 }
 
@@ -100,7 +110,22 @@ def parse(where: str, extras: dict[str, Any]) -> Options:
     if not used.get("rotary_dim"):
         used["rotary_dim"] = None
     _check_local_attention(where, used)
+    _check_flash_flags(where, used)
     return Options(**used)
+
+
+_FLASH_FLAGS = ("flash_attention", "triton_flash_attention")
+
+
+def _check_flash_flags(where: str, used: dict[str, Any]) -> None:
+    """``flash_attention`` / ``triton_flash_attention``: True, False or None (SMP's 'not given'); 0/1 too, as
+    scripts pass ``args.flash_attention > 0`` as often as an int flag."""
+    for key in _FLASH_FLAGS:
+        value = used.get(key)
+        if value is not None and not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
+            raise SMPInvalidArgumentError(f"smp.nn.{where}({key}={value!r}): must be True, False or None (both "
+                                          "flash settings select PyTorch's scaled_dot_product_attention)")
+        used[key] = bool(value)
 
 
 _ATTENTION_KINDS = ("global", "local")

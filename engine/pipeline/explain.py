@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from smp2ds.engine.pipeline.layers import SUPPORTED, build_layer_list
+from smp2ds.engine.pipeline.layers import SUPPORTED, UnsupportedModelError, build_layer_list
 from smp2ds.engine.pipeline.partition_plan import PartitionPlan, plan_partition
 
 
@@ -30,7 +30,7 @@ def split_for_model_config(model_config: Mapping[str, Any], smp_params: Mapping[
     """Build ``model_config``'s model on the meta device and split it by ``smp_params``' rules.
 
     Raises ValueError naming the supported architectures when the config's class has no
-    pipeline layer list.
+    pipeline layer list (a ``*ForCausalLM`` is cut by its decoder structure, or refused with the reason).
     """
     import torch
     import transformers
@@ -41,7 +41,8 @@ def split_for_model_config(model_config: Mapping[str, Any], smp_params: Mapping[
                          f"config.json); supported architectures: {', '.join(SUPPORTED)}")
     arch = archs[0]
     cls = getattr(transformers, arch, None)
-    if cls is None or f"transformers {arch}" not in SUPPORTED:
+    # Other *ForCausalLM classes are cut by their decoder structure (families/hf_decoder).
+    if cls is None or (f"transformers {arch}" not in SUPPORTED and not arch.endswith("ForCausalLM")):
         raise ValueError(f"architecture {arch!r} has no pipeline layer list; supported: {', '.join(SUPPORTED)} "
                          "(or nn.Sequential / smp.partition in the script)")
     fields = {k: v for k, v in model_config.items() if k != "model_type"}
@@ -50,7 +51,11 @@ def split_for_model_config(model_config: Mapping[str, Any], smp_params: Mapping[
         model = cls(config)
     stages = int(smp_params.get("pipeline_parallel_degree", 1))
     auto = bool(smp_params.get("auto_partition", True))
-    plan = plan_partition(build_layer_list(model), stages, auto=auto,
+    try:
+        layer_list = build_layer_list(model)
+    except UnsupportedModelError as exc:
+        raise ValueError(f"architecture {arch!r} has no pipeline layer list: {exc}") from None
+    plan = plan_partition(layer_list, stages, auto=auto,
                           memory_weight=float(smp_params.get("memory_weight", 0.8)),
                           default_partition=smp_params.get("default_partition") or 0)
     n_params = sum(p.numel() for p in model.parameters())

@@ -12,8 +12,11 @@ of SMP's distributed-transformer settings to the marking context, as SMP's GPT-2
 ``smp.tensor_parallelism(fused_softmax=True)``): then the model is replaced, at tp 1 as well. The
 settings go to the distributed transformer (unsupported ones are refused there, naming the setting).
 
-What the replacement keeps: the weights (broadcast from tensor-parallel rank 0, translated by
-:mod:`smp2ds.engine.nn.huggingface`, cut to this rank's shard), ``config``, train/eval mode, dtype
+What the replacement keeps: the weights Hugging Face initialised or loaded (broadcast from
+tensor-parallel rank 0, translated by :mod:`smp2ds.engine.nn.huggingface`, cut to this rank's shard;
+weights whose Hugging Face init the script skipped, as SMP's examples do, are drawn afresh instead:
+:mod:`smp2ds.engine.nn.huggingface.fresh`), a head tied to the embedding or not as
+``config.tie_word_embeddings`` says, ``config``, train/eval mode, dtype
 and device, and Hugging Face's call contract (SMP's forward/return hooks): the causal LMs take
 ``model(input_ids=..., attention_mask=..., labels=...)`` and return ``loss`` / ``logits``; a replaced
 encoder takes what ``BertModel`` passes and returns ``last_hidden_state``. The model around a replaced
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.integrations.transformers_compat import rope_parameters
 from smp2ds.engine.tensor_parallel import registry
 from smp2ds.engine.tensor_parallel.group import TPGroup, current
 from smp2ds.engine.tensor_parallel.shards import local_part
@@ -145,7 +149,7 @@ def gpt2_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
 def gptneox_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     """``DistributedTransformerLMHead`` arguments for a GPT-NeoX config (rotary, parallel residual)."""
     act = _activation("GPT-NeoX", "hidden_act", config.hidden_act)
-    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope = rope_parameters(config)
     if rope.get("rope_type", "default") != "default":
         raise SMPUnsupportedError(f"GPT-NeoX rope_type={rope['rope_type']!r} (scaled rotary) is not supported by "
                                   "the distributed transformer; supported: 'default'")
@@ -172,7 +176,8 @@ def gptneox_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 def gptj_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     """``DistributedTransformerLMHead`` arguments for a GPT-J config (interleaved rotary, one layer norm
-    for the parallel attention and MLP, no q/k/v or attention-output bias, untied head with a bias)."""
+    for the parallel attention and MLP, no q/k/v or attention-output bias, a head with a bias, untied unless
+    ``tie_word_embeddings``)."""
     act = _activation("GPT-J", "activation_function", config.activation_function)
     if not config.rotary_dim:
         raise SMPUnsupportedError(f"GPT-J with rotary_dim={config.rotary_dim!r} is not supported by the distributed "
@@ -180,7 +185,8 @@ def gptj_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     args = {
         **_gpt_sizes(config, act),
         "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True, "use_positional_embedding": False,
-        "tie_input_output_embedding": False, "use_lm_head_bias": True, "rotary_dim": config.rotary_dim,
+        "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", False)),
+        "use_lm_head_bias": True, "rotary_dim": config.rotary_dim,
         "gpt_neox_type_rotary": False, "parallel_attn_output": True, "single_pre_layernorm": True,
         "use_qkv_bias": False, "use_attn_dense_bias": False,
     }
@@ -210,42 +216,57 @@ def gptneo_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
     """The ``DistributedTransformerLMHead`` replacing Hugging Face GPT-2 / GPT-Neo / GPT-NeoX / GPT-J model ``hf``
-    (same weights)."""
+    (same weights, fresh ones where Hugging Face's init was skipped; head tied as the config says)."""
+    from smp2ds.engine.nn.huggingface.fresh import with_fresh_weights
     from smp2ds.engine.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
     from smp2ds.engine.nn.huggingface.gptneox import translate_hf_state_dict_to_smdistributed_gptneox
     from smp2ds.engine.nn.transformer import DistributedTransformerLMHead
 
     tp = current()
     settings = dict(registry.mark_of(hf).kwargs)
+    # weights Hugging Face never initialised (its init skipped by the script) are drawn afresh
+    state, _ = with_fresh_weights(hf, hf.state_dict(), hf.config.initializer_range)
     if type(hf).__name__ == "GPTJForCausalLM":
         from smp2ds.engine.nn.huggingface.gptj import translate_hf_state_dict_to_smdistributed_gptj
 
         new = DistributedTransformerLMHead(**gptj_arguments(hf.config, settings))
-        translated = translate_hf_state_dict_to_smdistributed_gptj(hf.state_dict())
+        translated = translate_hf_state_dict_to_smdistributed_gptj(state)
     elif type(hf).__name__ == "GPTNeoForCausalLM":
         from smp2ds.engine.nn.huggingface.gptneo import translate_hf_state_dict_to_smdistributed_gptneo
 
         new = DistributedTransformerLMHead(**gptneo_arguments(hf.config, settings))
-        translated = translate_hf_state_dict_to_smdistributed_gptneo(hf.state_dict())
+        translated = translate_hf_state_dict_to_smdistributed_gptneo(state)
     elif type(hf).__name__ == "GPTNeoXForCausalLM":
         from smp2ds.engine.nn.huggingface.gptneox import remember_num_attention_heads
 
         remember_num_attention_heads(hf.config.num_attention_heads)  # SMP's translators default to it
         new = DistributedTransformerLMHead(**gptneox_arguments(hf.config, settings))
-        translated = translate_hf_state_dict_to_smdistributed_gptneox(hf.state_dict(),
-                                                                      hf.config.num_attention_heads)
+        translated = translate_hf_state_dict_to_smdistributed_gptneox(state, hf.config.num_attention_heads)
     else:
         new = DistributedTransformerLMHead(**gpt2_arguments(hf.config, settings))
-        translated = translate_hf_state_dict_to_smdistributed_gpt2(hf.state_dict())
+        translated = translate_hf_state_dict_to_smdistributed_gpt2(state)
     weight = next(hf.parameters())
     new.to(device=weight.device, dtype=weight.dtype)
-    load_full(new, translated, tp)
+    load_full(new, head_as_built(new, translated), tp)
     new.train(hf.training)
     object.__setattr__(new, "config", hf.config)
     object.__setattr__(new, "_smp2ds_forward_hook", hf_call_to_smp)
     object.__setattr__(new, "_smp2ds_return_hook", smp_output_to_hf)
     object.__setattr__(new, "_smp2ds_replaced", type(hf).__name__)
     return new
+
+
+def head_as_built(new: torch.nn.Module, translated: dict[str, Any]) -> dict[str, Any]:
+    """``translated`` fitted to the head ``new`` has, which follows ``config.tie_word_embeddings``: a tied
+    head is the word embedding (a Hugging Face head left untied, e.g. by a skipped init, is dropped, as
+    Hugging Face's ``tie_weights`` would overwrite it); an untied head keeps Hugging Face's weight, or
+    starts as a copy of the embedding when the translator dropped a head equal to it."""
+    out = dict(translated)
+    if new.lm_head is None:
+        out.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["word_embedding.weight"].clone()
+    return out
 
 
 def load_full(module: torch.nn.Module, full: dict[str, Any], tp: TPGroup) -> None:

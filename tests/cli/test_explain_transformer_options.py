@@ -21,7 +21,7 @@ from smp2ds.translator.cli import main
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 SETTINGS = {"attention_in_fp32", "fp32_residual_addition", "query_key_layer_scaling", "fused_softmax",
             "fused_dropout", "fused_bias_gelu", "use_alibi", "attention_layers_type", "window_size",
-            "distribute_embedding", "use_normal_initialization"}
+            "distribute_embedding", "flash_attention", "triton_flash_attention", "use_normal_initialization"}
 FATE = {o.option: o for o in table.OPTIONS}
 SIZES = {"num_layers": 1, "num_attention_heads": 2, "attention_head_size": 4, "hidden_size": 8,
          "intermediate_size": 16, "vocab_size": 12, "num_positions": 8, "causal_mask_size": 8,

@@ -112,7 +112,7 @@ def api_checks(tmp: str) -> dict:
     smp.barrier()
     out["missing"] = _raises(lambda: smp.load(os.path.join(tmp, "objv3"), partial=True), E.MissingCheckpointFilesError)
     out["nn"] = tuple(smp.nn.DistributedLinear(3, 5).weight.shape)
-    out["nn_unsupported"] = _raises(lambda: smp.nn.FlashAttentionLayer(), E.SMPUnsupportedError)
+    out["nn_unsupported"] = _raises(lambda: smp.nn.FlashAttentionLayer(use_alibi=True), E.SMPUnsupportedError)
     smp.barrier()
     return out
 

@@ -131,7 +131,6 @@ def test_replacement_refuses_cross_attention():
     ({"use_alibi": True}, SMPUnsupportedError, r"use_alibi=True\): ALiBi attention biases is not implemented"),
     ({"attention_layers_type": ["local"]}, SMPInvalidArgumentError, r"window_size=None\): local attention layers"),
     ({"parallel_attn_output": True}, SMPUnsupportedError, r"parallel_attn_output=True\) needs pre_layernorm=True"),
-    ({"flash_attention": True}, SMPUnsupportedError, "FlashAttention kernels is not implemented"),
     ({"add_cross_attention": True}, SMPUnsupportedError, "cross attention .* is not implemented"),
     ({"activation": "silu"}, SMPInvalidArgumentError, r"activation='silu'\): supported are 'gelu', 'relu'"),
     ({"pre_layernorm": True, "post_layernorm": True}, SMPUnsupportedError,

@@ -141,7 +141,7 @@ def reference(phase: dict, ranks: int, b: int) -> dict:
 
 
 def _train(smp: Any, phase: dict, b: int) -> dict:
-    with smp.model_creation(tensor_parallelism=True, **SETTINGS):
+    with smp.model_creation(tensor_parallelism=True, **{**SETTINGS, **phase.get("settings", {})}):
         net = hf_of(phase)
     model = smp.DistributedModel(net)
     if phase.get("dropout"):

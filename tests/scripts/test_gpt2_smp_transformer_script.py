@@ -1,14 +1,20 @@
-"""``gpt2_transformer/train_gpt_simple.py``, written like SMP's GPT-2 example (distributed transformer
-through ``model_creation(tensor_parallelism=True, ...)``, ``seq_layers`` partition assignment,
+"""``gpt2_transformer/train_gpt_simple.py``, written like SMP's GPT-2 example (Hugging Face's weight init
+skipped with ``PreTrainedModel.init_weights = lambda x: None`` before ``AutoModelForCausalLM.from_config``
+inside ``model_creation(tensor_parallelism=True, ...)``, ``seq_layers`` partition assignment,
 activation checkpointing of ``.attention`` / ``.output``, translate functions for checkpoints), runs
 unchanged under ``torchrun`` at tensor_parallel_degree 1 (2 data-parallel ranks), 2, and 2 with
 pipeline_parallel_degree 2 (4 ranks: the distributed transformer cut into stages; also with
 ``--model-type gpt_neo``, a GPT-Neo with a global and a local attention layer), and 2 with
 sharded_data_parallel_degree 2 (4 ranks, prescaled_batch, delayed parameter initialization; SMP clips
-gradients at 1.0 with sharded data parallelism, and so does the reference), and equals
-single-process Hugging Face training from the same starting weights (losses per rank and the
-final weights, rtol 1e-4); the checkpoint it writes in Hugging Face's names loads into a plain
-Hugging Face model and gives the distributed model's logits."""
+gradients at 1.0 with sharded data parallelism, and so does the reference).
+
+Started from its own initialisation (the script's default), the distributed model's starting weights
+(saved by the script in Hugging Face's names) are the distributed transformer's fresh ones, the same
+at every layout as in one process at tp 1, and its first losses are near ln(vocab); started from given
+Hugging Face weights (``--init-from``), it starts from those. Either way it equals single-process
+Hugging Face training from the same starting weights (losses per rank and the final weights, rtol
+1e-4), and the checkpoint it writes in Hugging Face's names loads into a plain Hugging Face model and
+gives the distributed model's logits."""
 
 from __future__ import annotations
 
@@ -58,21 +64,53 @@ def _reference(script, init: dict, ranks: int, clip: float | None = None,
     return losses, model.state_dict()
 
 
+def _own_initial_weights(script, model_type: str, monkeypatch) -> dict:
+    """The replaced model's fresh weights (Hugging Face names) built here in one process at tp 1 the way
+    the script builds it: Hugging Face's init skipped, the first replacement of a process, seed 0."""
+    import transformers
+
+    from smp2ds.engine.core.state import state
+    from smp2ds.engine.nn.huggingface import fresh
+    from smp2ds.engine.tensor_parallel import registry, rng
+    from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "init_weights", lambda x: None)
+    monkeypatch.setattr(fresh, "_drawn", [0])
+    monkeypatch.setattr(state, "rng_manager", rng.RngManager(0))  # tensor_parallel_seed: SMP's default 0
+    try:
+        with registry.tensor_parallelism(fused_softmax=True):
+            hf = transformers.AutoModelForCausalLM.from_config(script.model_config(model_type))
+        return script.MODELS[model_type][2](replace_marked(hf).state_dict())
+    finally:
+        monkeypatch.undo()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,sdp,model_type", [(1, 1, 1, "gpt2"), (2, 1, 1, "gpt2"), (2, 2, 1, "gpt2"),
-                                                   (2, 1, 2, "gpt2"), (2, 2, 1, "gpt_neo")])
-def test_smp_gpt2_transformer_script_runs_unchanged_and_matches_hugging_face(tp, pp, sdp, model_type, tmp_path):
+@pytest.mark.parametrize("tp,pp,sdp,model_type,start", [
+    (1, 1, 1, "gpt2", "own"), (2, 1, 1, "gpt2", "own"), (2, 2, 1, "gpt2", "own"), (2, 1, 2, "gpt2", "own"),
+    (2, 2, 1, "gpt_neo", "own"), (2, 1, 1, "gpt2", "given"), (2, 1, 2, "gpt2", "given")])
+def test_smp_gpt2_transformer_script_runs_unchanged_and_matches_hugging_face(tp, pp, sdp, model_type, start,
+                                                                             tmp_path, monkeypatch):
     script = _script()
-    torch.manual_seed(31)
-    init = script.MODELS[model_type][0](script.model_config(model_type)).state_dict()
-    torch.save(init, tmp_path / "init.pt")
     args = ["--tensor-parallel-degree", str(tp), "--pipeline-parallel-degree", str(pp), "--steps", str(STEPS),
-            "--train-batch-size", str(B), "--init-from", str(tmp_path / "init.pt"), "--adam-eps", str(EPS),
-            "--checkpoint-dir", str(tmp_path), "--model-type", model_type]
+            "--train-batch-size", str(B), "--adam-eps", str(EPS), "--checkpoint-dir", str(tmp_path),
+            "--model-type", model_type]
+    if start == "given":
+        torch.manual_seed(31)
+        given = script.MODELS[model_type][0](script.model_config(model_type)).state_dict()
+        torch.save(given, tmp_path / "given.pt")
+        args += ["--init-from", str(tmp_path / "given.pt")]
     if sdp > 1:  # SMP 1.15+: tensor parallelism with sharded data parallelism needs prescaled_batch
         args += ["--sharded-data-parallel-degree", str(sdp), "--prescaled-batch", "1", "--delayed-param", "1"]
     reports = run_torchrun(SCRIPT, 2 * pp * sdp, args, timeout_s=400)
+    init = torch.load(tmp_path / "initial_hf.pt")
+    want_init = given if start == "given" else _own_initial_weights(script, model_type, monkeypatch)
+    assert set(init) == set(want_init)
+    for key, value in want_init.items():
+        torch.testing.assert_close(init[key], value, rtol=0, atol=0, msg=key)
     losses, weights = _reference(script, init, 2, clip=1.0 if sdp > 1 else None, model_type=model_type)
+    if start == "own":  # a fresh model predicts every token nearly alike (~20 tokens per rank: 0.1 of noise)
+        assert all(abs(v - np.log(script.VOCAB)) < 0.1 for v in losses[0]), losses[0]
     # 2 data ranks: per stage, or (prescaled_batch) per tensor-parallel group
     assert sorted(rep["dp_rank"] for rep in reports) == sorted([0, 1] * pp * sdp)
     for rep in reports:

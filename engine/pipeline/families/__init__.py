@@ -3,12 +3,13 @@
 Order matters: the first family whose ``matches`` accepts a model builds its layer list.
 """
 
-from smp2ds.engine.pipeline.families import bert, gpt2, llama, sequential, smp_transformer, traced
+from smp2ds.engine.pipeline.families import bert, gpt2, hf_decoder, sequential, smp_transformer, traced
 from smp2ds.engine.pipeline.layers import register_family
 
 register_family("torch.nn.Sequential", sequential.matches, sequential.build)
 register_family("transformers GPT2LMHeadModel", gpt2.matches, gpt2.build)
 register_family("transformers BertForSequenceClassification / BertForMaskedLM", bert.matches, bert.build)
-register_family("transformers LlamaForCausalLM", llama.matches, llama.build)
 register_family(smp_transformer.FAMILY, smp_transformer.matches, smp_transformer.build)
+# Any other *ForCausalLM (LLaMA included), cut by its decoder structure.
+register_family(hf_decoder.FAMILY, hf_decoder.matches, hf_decoder.build)
 register_family("torch.fx traced module", traced.matches, traced.build)  # last: takes any nn.Module

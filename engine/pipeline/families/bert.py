@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smp2ds.engine.integrations.transformers_compat import layer_hidden
 from smp2ds.engine.pipeline.families.causal_lm import Head
 from smp2ds.engine.pipeline.families.hf_common import (
     bidirectional_mask,
@@ -88,7 +89,7 @@ class Layer(nn.Module):
 
     def forward(self, inputs: tuple) -> tuple:
         hidden, mask = inputs
-        return self.layer(hidden, _attention_mask(self.config, hidden, mask)), mask
+        return layer_hidden(self.layer(hidden, _attention_mask(self.config, hidden, mask))), mask
 
 
 class ClassifierHead(nn.Module):

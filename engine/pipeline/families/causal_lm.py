@@ -1,4 +1,4 @@
-"""Pipeline pieces shared by the causal-LM families (GPT-2, LLaMA).
+"""Pipeline pieces shared by the causal-LM families (GPT-2, the structural decoders of ``hf_decoder``).
 
 Both start with a token embedding and end with a final norm and an LM head that is either tied
 to the embedding (a `TiedLayerSpec` pair, see `layers.tied`) or a plain linear layer. Between

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from smp2ds.engine.integrations.transformers_compat import layer_hidden
 from smp2ds.engine.pipeline.families.causal_lm import (
     CausalLMAdapter,
     FinalNorm,
@@ -58,8 +59,7 @@ class Block(nn.Module):
         pos = positions(hidden)
         causal = causal_mask(self.config, hidden, mask, position_ids=pos)
         out = self.block(hidden, attention_mask=causal, encoder_attention_mask=None, use_cache=False, position_ids=pos)
-        # Early 5.x releases return (hidden, ...) from a block, later ones the hidden states alone.
-        return (out[0] if isinstance(out, tuple) else out), mask
+        return layer_hidden(out), mask
 
 
 def build(model: nn.Module) -> LayerList:

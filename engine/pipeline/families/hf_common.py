@@ -112,8 +112,17 @@ def causal_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor,
     return _mask_call(create_causal_mask, config, hidden, mask, **extra)
 
 
+def sliding_window_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor,
+                        position_ids: torch.Tensor | None = None) -> Any:
+    """transformers' own sliding-window causal mask (``config.sliding_window``) for a cache-free forward."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    extra = {} if position_ids is None else {"position_ids": position_ids}
+    return _mask_call(create_sliding_window_causal_mask, config, hidden, mask, **extra)
+
+
 def bidirectional_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor) -> Any:
     """transformers' own bidirectional (encoder) attention mask (any supported release)."""
-    from transformers.masking_utils import create_bidirectional_mask
+    from smp2ds.engine.integrations.transformers_compat import bidirectional_mask_builder
 
-    return _mask_call(create_bidirectional_mask, config, hidden, mask)
+    return _mask_call(bidirectional_mask_builder(), config, hidden, mask)

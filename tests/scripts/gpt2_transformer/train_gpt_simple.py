@@ -1,18 +1,23 @@
 """GPT-2 (or GPT-Neo, ``--model-type gpt_neo``) pre-training with SMP's distributed transformer, written
 the way SMP's GPT-2 example was.
 
-smp.init from arguments; a Hugging Face GPT-2 / GPT-Neo built from its config inside
+smp.init from arguments; with the distributed transformer, Hugging Face's weight init skipped
+(``PreTrainedModel.init_weights = lambda x: None``: "DistributedModel will override those weights
+anyway"); a Hugging Face GPT-2 / GPT-Neo built by ``AutoModelForCausalLM.from_config`` inside
 ``smp.model_creation(tensor_parallelism=smp.tp_size() > 1 or args.use_distributed_transformer > 0,
 ...)`` with the example's transformer settings (SMP replaces it by
-``smp.nn.DistributedTransformerLMHead``); optionally the starting weights from a Hugging Face state
-dict through ``translate_hf_state_dict_to_smdistributed_<model>``; ``seq_layers`` partition assignment;
+``smp.nn.DistributedTransformerLMHead``, which initialises its own weights); optionally the starting
+weights from a Hugging Face state dict through ``translate_hf_state_dict_to_smdistributed_<model>``;
+``seq_layers`` partition assignment;
 activation checkpointing of every layer's ``.attention`` and ``.output`` (or of ``seq_layers``);
 ``@smp.step`` with ``model.backward``; at the end a full checkpoint in Hugging Face's names through
 ``translate_state_dict_to_hf_<model>``, saved by rank 0 and loaded into a plain Hugging Face model.
 Synthetic tokens (no dataset download).
 
 Each rank writes ``$SMP2DS_SCRIPT_OUT/rank<N>.json``: losses, the final weights (HF names) and how
-far the checkpoint's Hugging Face logits are from the distributed model's.
+far the checkpoint's Hugging Face logits are from the distributed model's. With ``--checkpoint-dir``
+rank 0 also saves the model's starting weights there in Hugging Face's names (``initial_hf.pt``), so
+a reference can start where the distributed model did.
 """
 
 import argparse
@@ -21,7 +26,14 @@ import json
 import os
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoConfig, GPTNeoForCausalLM, set_seed
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoConfig,
+    GPTNeoForCausalLM,
+    set_seed,
+)
 
 import smdistributed.modelparallel.torch as smp
 from smdistributed.modelparallel.torch.nn.huggingface.gpt2 import (
@@ -55,6 +67,7 @@ def parse_args():
     parser.add_argument("--query-key-layer-scaling", type=int, default=0)
     parser.add_argument("--fused-softmax", type=int, default=1)
     parser.add_argument("--fused-bias-gelu", type=int, default=0)
+    parser.add_argument("--flash-attention", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--adam-eps", type=float, default=1e-8)
     parser.add_argument("--seed", type=int, default=12345)
@@ -108,6 +121,13 @@ def main():
         smp_config["sharded_data_parallel_degree"] = args.sharded_data_parallel_degree
         smp_config["delayed_parameter_initialization"] = args.delayed_param > 0
     smp.init(smp_config)
+    # the following improves start-up time by skipping proper initialization of weights in the original
+    # model (SMP's example); this is not a problem because DistributedModel will override those weights
+    # anyway when we use distributed transformer.
+    if args.use_distributed_transformer > 0:
+        from transformers.modeling_utils import PreTrainedModel
+
+        PreTrainedModel.init_weights = lambda x: None
     set_seed(args.seed)
     model_cls, hf_to_smp, smp_to_hf = MODELS[args.model_type]
     with smp.model_creation(tensor_parallelism=smp.tp_size() > 1 or args.use_distributed_transformer > 0,
@@ -115,11 +135,17 @@ def main():
                             attention_in_fp32=args.attention_in_fp32 > 0,
                             fp32_residual_addition=args.residual_addition_in_fp32 > 0,
                             query_key_layer_scaling=args.query_key_layer_scaling > 0,
-                            fused_softmax=args.fused_softmax > 0, fused_bias_gelu=args.fused_bias_gelu > 0):
-        model = model_cls(model_config(args.model_type))
+                            fused_softmax=args.fused_softmax > 0, fused_bias_gelu=args.fused_bias_gelu > 0,
+                            flash_attention=args.flash_attention > 0):
+        model = AutoModelForCausalLM.from_config(model_config(args.model_type))
     model = smp.DistributedModel(model, trace_device="gpu")
     if args.init_from:
         model.load_state_dict(hf_to_smp(torch.load(args.init_from)))
+    if args.checkpoint_dir:
+        initial = smp_to_hf(model.state_dict())  # collective under tp
+        if smp.rank() == 0:
+            torch.save(initial, os.path.join(args.checkpoint_dir, "initial_hf.pt"))
+        del initial
 
     transformer_layers = model.get_module().transformer.seq_layers
     if args.manual_partition:

@@ -1,0 +1,100 @@
+"""Which weights of a Hugging Face model transformers really initialised or loaded, and fresh weights in
+place of the others, for the model's replacement by SMP's distributed transformer.
+
+SMP's example scripts skip Hugging Face's weight init before building a model SMP replaces
+(``PreTrainedModel.init_weights = lambda x: None``): SMP's distributed transformer initialises its
+own weights. In transformers 5 that leaves the model's tensors as allocated (``torch.empty``-like
+memory, or torch's default init at best) and its head untied from the embedding. Copying them into
+the distributed transformer would train from garbage, so such weights are not copied: the replacement
+draws its own instead.
+
+The rule (transformers 5 ``modeling_utils``), per parameter: a parameter holds real values when
+transformers marked it or the module that owns it.
+
+* ``PreTrainedModel._initialize_weights`` sets ``module._is_hf_initialized = True`` on every module it
+  initialised (``post_init`` -> ``init_weights`` -> ``initialize_weights``, for a model built
+  normally; also under ``delayed_parameter_initialization``, where smp2ds runs it on gathered
+  parameters, :mod:`smp2ds.engine.mics.param_creation`);
+* ``from_pretrained`` marks every loaded parameter (``param._is_hf_initialized``) and initialises the
+  missing ones through ``initialize_weights`` (called directly, so even with ``init_weights`` patched
+  out every module ends marked);
+* with ``init_weights`` patched out, ``post_init`` initialises nothing and marks nothing.
+
+A parameter with neither mark gets a fresh value: the distributed transformer's own initialisation,
+N(0, ``initializer_range``) for weight matrices and embeddings, zeros for biases, ones for layer-norm
+weights (``use_normal_initialization`` has no effect: fresh weights are normal, as SMP's Hugging Face
+replacements asked). Values are drawn whole, in the Hugging Face model's parameter order, from a
+generator seeded with ``tensor_parallel_seed`` (and a per-process count of replaced models), so
+every rank and every tensor-parallel degree starts from the same full tensors. Values written into
+such a model with a plain ``load_state_dict`` leave no mark and are not seen: load weights after
+``smp.DistributedModel`` through the translate functions (as SMP's example does), or keep the init.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+FRESH_STREAM = 1 << 32
+"""Offset of the fresh-weight seeds from ``tensor_parallel_seed`` (away from the distributed modules'
+own ``seed + n`` streams)."""
+
+_drawn = [0]
+"""Replaced models that drew fresh weights in this process (each draws from its own stream)."""
+
+
+def initialised(model: torch.nn.Module) -> dict[str, bool]:
+    """State-dict name -> whether transformers initialised or loaded that parameter (the rule above).
+    Names of tied parameters appear once per owner, as in ``state_dict()``."""
+    flags: dict[str, bool] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        module_done = bool(getattr(module, "_is_hf_initialized", False))
+        for name, param in module._parameters.items():
+            if param is not None:
+                key = f"{prefix}.{name}" if prefix else name
+                flags[key] = module_done or bool(getattr(param, "_is_hf_initialized", False))
+    return flags
+
+
+def generator() -> torch.Generator:
+    """The next replaced model's fresh-weight stream (the same on every rank)."""
+    from smp2ds.engine.tensor_parallel import rng
+
+    gen = torch.Generator().manual_seed(rng.manager().seed + FRESH_STREAM + _drawn[0])
+    _drawn[0] += 1
+    return gen
+
+
+def _layer_norm_weights(model: torch.nn.Module) -> set[str]:
+    return {f"{prefix}.weight" if prefix else "weight" for prefix, m in model.named_modules(remove_duplicate=False)
+            if isinstance(m, torch.nn.LayerNorm) or type(m).__name__.endswith(("LayerNorm", "RMSNorm"))}
+
+
+def fresh_value(key: str, like: torch.Tensor, initializer_range: float, gen: torch.Generator,
+                layer_norm: bool) -> torch.Tensor:
+    """A fresh full tensor for parameter ``key`` shaped and typed like ``like``."""
+    if layer_norm:
+        value = torch.ones(like.shape)
+    elif key.rsplit(".", 1)[-1] == "bias":
+        value = torch.zeros(like.shape)
+    else:  # drawn in fp32 on the CPU: the same numbers whatever the model's dtype and device
+        value = torch.empty(like.shape).normal_(0.0, initializer_range, generator=gen)
+    return value.to(device=like.device, dtype=like.dtype)
+
+
+def with_fresh_weights(model: torch.nn.Module, state_dict: Mapping[str, Any],
+                       initializer_range: float) -> tuple[dict[str, Any], list[str]]:
+    """``state_dict`` (the model's, Hugging Face names) with every parameter transformers neither
+    initialised nor loaded replaced by a fresh value, and the names replaced (empty: nothing drawn, no
+    stream used)."""
+    flags = initialised(model)
+    skipped = [k for k in state_dict if not flags.get(k, True)]  # buffers are kept as they are
+    if not skipped:
+        return dict(state_dict), []
+    gen, norms = generator(), _layer_norm_weights(model)
+    out = dict(state_dict)
+    for key in skipped:
+        out[key] = fresh_value(key, state_dict[key], initializer_range, gen, key in norms)
+    return out, skipped

@@ -1,0 +1,239 @@
+"""Hugging Face causal LMs outside the named families, cut by their decoder structure (one process).
+
+Each family's tiny model (fp32, dropout off) is built from a config; its structural layer list
+must reproduce the model's own logits, loss and gradients exactly, with a padding mask. Models
+whose structure or forward the cut cannot follow are refused by name with the reason. The
+tiny models are shared with ``test_pipeline_hf_decoders_dist.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.pipeline import UnsupportedModelError, build_layer_list
+from smp2ds.engine.pipeline.families import hf_decoder
+from smp2ds.engine.pipeline.families.probe import run_layers
+
+VOCAB, SEQ = 64, 8
+_COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "max_position_embeddings": 32, "pad_token_id": 0, "bos_token_id": 0,
+           "eos_token_id": 0}
+# family -> (model class, config class, config fields beyond _COMMON): what each one adds to the cut.
+FAMILIES = {
+    # one sliding window for every layer, narrower than the sequence (so the window masks something)
+    "mistral": ("MistralForCausalLM", "MistralConfig", {"num_key_value_heads": 2, "sliding_window": 4}),
+    # q/k/v biases; per-layer attention types (full, then sliding): two masks per call
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {"num_key_value_heads": 2, "use_sliding_window": True,
+                                                   "sliding_window": 4, "max_window_layers": 2}),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"num_key_value_heads": 2, "head_dim": 8}),
+    # embedding scaled inside its module, tied head
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", {"num_key_value_heads": 2, "head_dim": 8}),
+    # embedding dropout, partial rotary, LM head with a bias
+    "phi": ("PhiForCausalLM", "PhiConfig", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0}),
+    # base model "gpt_neox": embed_in, emb_dropout, layers, final_layer_norm
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {"hidden_dropout": 0.0, "attention_dropout": 0.0}),
+    # base model "transformer", blocks "h", tied head, a required alibi argument (None)
+    "falcon": ("FalconForCausalLM", "FalconConfig", {"num_kv_heads": 4, "hidden_dropout": 0.0,
+                                                      "attention_dropout": 0.0}),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", {"resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    "stablelm": ("StableLmForCausalLM", "StableLmConfig", {"num_key_value_heads": 4, "hidden_dropout": 0.0}),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {"num_key_value_heads": 2}),
+}
+
+
+def make_decoder(family: str, seed: int = 0, **overrides) -> nn.Module:
+    """The family's tiny model, identical for the same seed."""
+    import transformers
+
+    model_cls, config_cls, extra = FAMILIES[family]
+    fields = {**_COMMON, **extra, **overrides}
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields))
+
+
+def padded_batch(seed: int = 3, rows: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (rows, SEQ), generator=g)
+    mask = torch.ones(rows, SEQ, dtype=torch.long)
+    mask[0, 5:] = 0
+    mask[2 % rows, 3:] = 0
+    return ids, mask
+
+
+# ---- the cut reproduces each family exactly -------------------------------------------------------
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_structural_cut_reproduces_logits_loss_and_gradients_exactly(family):
+    model = make_decoder(family).train()  # dropout is 0: training mode, as the pipeline runs it
+    layer_list = build_layer_list(model)
+    assert layer_list.family == FAMILIES[family][0]
+    ids, mask = padded_batch()
+    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    ref = model(**kwargs)
+    ref.loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    out = layer_list.adapter.make_output(run_layers(layer_list, layer_list.adapter.pipe_inputs((), kwargs)), (),
+                                         kwargs)
+    out.loss.backward()
+    torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert any(float(g.abs().max()) > 0 for g in ref_grads.values())
+
+
+def test_layer_names_follow_the_module_tree_and_tied_heads_share_one_key():
+    from deepspeed.pipe import TiedLayerSpec
+
+    neox = build_layer_list(make_decoder("gpt_neox"))
+    assert neox.names == ["gpt_neox.embed_in", "gpt_neox.emb_dropout", *[f"gpt_neox.layers.{i}" for i in range(4)],
+                          "gpt_neox.final_layer_norm", "lm_head"]
+    falcon = build_layer_list(make_decoder("falcon"))
+    assert falcon.names == ["transformer.word_embeddings", *[f"transformer.h.{i}" for i in range(4)],
+                            "transformer.ln_f", "lm_head"]
+    ends = [falcon.layers[0].entry, falcon.layers[-1].entry]
+    assert all(isinstance(e, TiedLayerSpec) for e in ends) and ends[0].key == ends[1].key
+    qwen2 = build_layer_list(make_decoder("qwen2"))
+    assert [layer.entry.attention_type for layer in qwen2.layers[1:5]] == [
+        "full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    assert not any(isinstance(layer.entry, TiedLayerSpec) for layer in qwen2.layers)
+
+
+def test_stage_inputs_are_built_once_per_micro_batch_and_rebuilt_for_a_new_one():
+    layer_list = build_layer_list(make_decoder("mistral"))
+    blocks = [layer.entry for layer in layer_list.layers[1:5]]
+    assert len({id(b.shared) for b in blocks}) == 1
+    ids, mask = padded_batch()
+    hidden = layer_list.layers[0].entry((ids, mask))[0]
+    first = blocks[0].shared.get(hidden, mask, blocks[0].rotary_emb)
+    assert blocks[1].shared.get(hidden, mask, blocks[1].rotary_emb) is first
+    other = mask.clone()
+    assert blocks[1].shared.get(hidden, other, blocks[1].rotary_emb) is not first
+    mask[1, -1] = 0  # changed in place: rebuilt
+    again = blocks[0].shared.get(hidden, mask, blocks[0].rotary_emb)
+    assert again is not first and not torch.equal(again[1]["sliding_attention"], first[1]["sliding_attention"])
+
+
+def test_a_block_behind_an_args_kwargs_wrapper_still_gets_its_named_arguments():
+    """A class mixed in front of the block's (as tensor-parallel regions are) hides the names in
+    ``forward(*args, **kwargs)``; the cut reads them from the block's own class."""
+    model = make_decoder("qwen3")
+    for block in model.model.layers:
+        base = type(block)
+        block.__class__ = type(f"Wrapped{base.__name__}", (base,),
+                               {"forward": lambda self, *a, **k: super(type(self), self).forward(*a, **k)})
+    layer_list = build_layer_list(model)  # the probe: equal logits with the padding mask
+    assert {"attention_mask", "position_ids", "position_embeddings"} <= layer_list.layers[1].entry.args
+
+
+def test_the_probe_draws_no_random_numbers_and_restores_training_modes():
+    model = make_decoder("phi")
+    model.train()
+    model.model.layers[1].eval()
+    state = torch.get_rng_state()
+    build_layer_list(model)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert model.training and model.model.layers[0].training and not model.model.layers[1].training
+
+
+def test_a_meta_device_model_is_cut_without_running_it():
+    import transformers
+
+    model_cls, config_cls, extra = FAMILIES["qwen3"]
+    with torch.device("meta"):
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**_COMMON, **extra}))
+    assert build_layer_list(model).names[-1] == "lm_head"
+
+
+# ---- refusals, by model class and reason ------------------------------------------------------------
+def _scaled_logits_model() -> nn.Module:
+    """A Mistral whose forward doubles the logits: nothing in the module tree shows it."""
+    from transformers import MistralForCausalLM
+
+    class ScaledMistralForCausalLM(MistralForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    torch.manual_seed(0)
+    return ScaledMistralForCausalLM(make_decoder("mistral").config)
+
+
+def _refused(name: str) -> nn.Module:
+    import transformers
+
+    small = {k: _COMMON[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")}
+    if name == "opt":
+        return transformers.OPTForCausalLM(transformers.OPTConfig(ffn_dim=64, word_embed_proj_dim=32, **small))
+    if name == "granite":
+        return transformers.GraniteForCausalLM(transformers.GraniteConfig(embedding_multiplier=2.0, **small))
+    if name == "gemma2":
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(head_dim=8, **small))
+    if name == "falcon_alibi":
+        return make_decoder("falcon", alibi=True)
+    if name == "cross_attention":
+        return make_decoder("qwen3", add_cross_attention=True)
+    if name == "layer_types":
+        return make_decoder("qwen3", layer_types=["full_attention", "full_attention", "full_attention",
+                                                  "chunked_attention"])
+    return _scaled_logits_model()
+
+
+REFUSALS = {
+    "opt": ("OPTForCausalLM", "its base model's child 'decoder' (OPTDecoder) is not a token embedding"),
+    "granite": ("GraniteForCausalLM", "config.embedding_multiplier=2.0 changes embeddings or logits outside"),
+    "gemma2": ("Gemma2ForCausalLM", "config.final_logit_softcapping=30.0 changes embeddings or logits outside"),
+    "falcon_alibi": ("FalconForCausalLM", "config.alibi=True needs ALiBi biases built per call"),
+    "cross_attention": ("Qwen3ForCausalLM", "it has cross attention"),
+    "layer_types": ("Qwen3ForCausalLM", "config.layer_types has ['chunked_attention']; the structural cut builds"),
+    "scaled_logits": ("ScaledMistralForCausalLM", "on a probe batch its logits differ from embeddings -> blocks"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_models_the_structural_cut_cannot_follow_are_refused_by_class_and_reason(name):
+    model_name, reason = REFUSALS[name]
+    with pytest.raises(UnsupportedModelError) as err:
+        build_layer_list(_refused(name))
+    assert isinstance(err.value, SMPUnsupportedError)
+    text = str(err.value)
+    assert f"pipeline parallelism cannot split a {type(_refused(name)).__module__}.{model_name}: it is not cut as " \
+           "a decoder (embedding, ModuleList of blocks, final norm, head) because " in text, text
+    assert reason in text, text
+    assert "torch.fx" in text  # the traced path was tried too, and says why it failed
+
+
+def test_models_the_fx_path_serves_are_still_traced():
+    """A non-transformers module keeps the torch.fx path (the structural family takes *ForCausalLM only)."""
+    class TwoLayers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    assert not hf_decoder.matches(TwoLayers())
+    assert build_layer_list(TwoLayers()).family == "torch.fx traced"
+
+
+def test_explain_splits_a_structural_decoder_config_as_the_engine_does_and_refuses_opt():
+    """``smp2ds explain --model``: the split of a meta-device Qwen3 equals the real model's; OPT says why not."""
+    from smp2ds.engine.pipeline import plan_partition
+    from smp2ds.engine.pipeline.explain import split_for_model_config
+
+    real = make_decoder("qwen3")
+    config = {**real.config.to_dict(), "architectures": ["Qwen3ForCausalLM"]}
+    split = split_for_model_config(config, {"pipeline_parallel_degree": 2, "memory_weight": 0.3})
+    expected = plan_partition(build_layer_list(real), 2, memory_weight=0.3)
+    assert split.plan.parts == expected.parts and split.plan.stages[0].layers[0] == "model.embed_tokens"
+    assert split.n_params == sum(p.numel() for p in real.parameters())
+    opt = {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 32, "ffn_dim": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "word_embed_proj_dim": 32, "vocab_size": VOCAB}
+    with pytest.raises(ValueError, match="'OPTForCausalLM' has no pipeline layer list: .*its base model's child "
+                                         "'decoder' \\(OPTDecoder\\)"):
+        split_for_model_config(opt, {"pipeline_parallel_degree": 2})
