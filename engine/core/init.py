@@ -1,6 +1,6 @@
 """``smp.init(config=None)``: configuration, process groups and DeepSpeed, from any launcher.
 
-SMP semantics (smp-config.md section 1): the script's dict is overridden key by key by the JSON
+SMP semantics (docs/smp-semantics.md#configuration-sources): the script's dict is overridden key by key by the JSON
 in ``SM_HP_MP_PARAMETERS``; the result is validated (here by the translator, so errors read the
 same as ``smp2ds validate``); a second call only warns. The world layout comes from whatever
 launched the process (see :mod:`launch_env`).
@@ -27,6 +27,7 @@ from smp2ds.engine.core.state import ConfigView, state
 from smp2ds.engine.diagnostics import failure_report as faults
 from smp2ds.engine.diagnostics import step_log
 from smp2ds.engine.diagnostics.watchdog import Watchdog, timeout_from_env
+from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.translator.issues import Issue, SMPConfigError
 from smp2ds.translator.model import Layout
 
@@ -51,6 +52,8 @@ def merged_config(config: Mapping[str, Any] | None, env: Mapping[str, str] | Non
                         f"environment variable {ENV_KEY} is not valid JSON "
                         f"(line {exc.lineno}, column {exc.colno}: {exc.msg})",
                         given=raw,
+                        hint=f"set it to one JSON object, e.g. {ENV_KEY}='{{\"ddp\": true}}', or let "
+                        "`smp2ds launch --config FILE` set it from a file",
                     )
                 ]
             )
@@ -108,11 +111,12 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     ddp_port = merged.get("ddp_port") if isinstance(merged.get("ddp_port"), int) else None
     launch = launch_env.detect(ddp_port=ddp_port)
     state.launch = launch
+    _check_deepspeed_version()
     if error is None:
         try:
             cfg, plan = _translate(merged, launch)
         except SMPConfigError as exc:
-            error = exc
+            error = _note_missing_parameters(exc, config)
     backend = resolve_backend(cfg.ddp_dist_backend if cfg is not None else merged.get("ddp_dist_backend"))
     if backend not in ("gloo", "nccl", "mpi"):
         backend = "gloo"  # the error exchange below still needs a group; the config error says why
@@ -130,6 +134,36 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         comm.init(backend, store, launch.rank, launch.world_size, pg_timeout)
     _raise_config_error_once(error, launch)
     _finish(cfg, plan, launch, backend)
+
+
+def _check_deepspeed_version() -> None:
+    """An environment mistake, the same on every rank: rank 0 prints one line instead of a traceback per rank."""
+    from smp2ds.engine.core.version_check import installed_deepspeed, require_deepspeed
+
+    try:
+        require_deepspeed(installed_deepspeed())
+    except SMPUnsupportedError as exc:
+        faults.mark_reported_once(exc, report_rank=0)
+        faults.install(state.launch.rank if state.launch is not None else 0)
+        raise
+
+
+def _note_missing_parameters(error: SMPConfigError, config: Mapping[str, Any] | None) -> SMPConfigError:
+    """Name the likelier cause first when the script got no SMP parameters at all.
+
+    Without ``SM_HP_MP_PARAMETERS`` and a dict, every key is its default, and the user then sees a
+    complaint about a key they never wrote (say ``ddp``) instead of the missing variable.
+    """
+    if config or os.environ.get(ENV_KEY, "").strip():
+        return error
+    missing = Issue(
+        "",
+        f"environment variable {ENV_KEY} is not set and smp.init() got no dict, so every SMP parameter has its "
+        "default",
+        hint=f"start the script with `smp2ds launch --config FILE`, export {ENV_KEY}='{{...}}', or call "
+        "smp.init({...})",
+    )
+    return SMPConfigError([missing, *error.issues])
 
 
 def _raise_config_error_once(error: SMPConfigError | None, launch: launch_env.LaunchEnv) -> None:

@@ -106,7 +106,9 @@ def test_skipped_hf_init_gets_the_distributed_transformers_own_init(family, tie,
     assert_head_follows_config(new, tie)
     ids = batch()
     loss = new(input_ids=ids, labels=ids).loss.item()
-    assert abs(loss - math.log(VOCAB)) < 0.05, loss
+    # fresh weights depend on how many models this process replaced before (the stream advances per model):
+    # ~0.05 of spread around ln(vocab) at these sizes; garbage or N(0, 1) weights give losses far above it
+    assert abs(loss - math.log(VOCAB)) < 0.1, loss
 
 
 @pytest.mark.parametrize("family,tie", TIES)

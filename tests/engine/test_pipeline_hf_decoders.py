@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.integrations.transformers_compat import is_transformers_5
 from smp2ds.engine.pipeline import UnsupportedModelError, build_layer_list
 from smp2ds.engine.pipeline.families import hf_decoder
 from smp2ds.engine.pipeline.families.probe import run_layers
@@ -67,6 +68,12 @@ def padded_batch(seed: int = 3, rows: int = 3) -> tuple[torch.Tensor, torch.Tens
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_structural_cut_reproduces_logits_loss_and_gradients_exactly(family):
     model = make_decoder(family).train()  # dropout is 0: training mode, as the pipeline runs it
+    if family == "gemma" and not is_transformers_5():
+        # 4.57's GemmaModel.forward scales the embeddings by sqrt(hidden) outside any module (5.x's embedding
+        # module does it): the probe sees the difference and the cut is refused instead of training wrongly
+        with pytest.raises(UnsupportedModelError, match=r"GemmaForCausalLM.*logits differ from embeddings"):
+            build_layer_list(model)
+        return
     layer_list = build_layer_list(model)
     assert layer_list.family == FAMILIES[family][0]
     ids, mask = padded_batch()
@@ -88,9 +95,12 @@ def test_structural_cut_reproduces_logits_loss_and_gradients_exactly(family):
 def test_layer_names_follow_the_module_tree_and_tied_heads_share_one_key():
     from deepspeed.pipe import TiedLayerSpec
 
-    neox = build_layer_list(make_decoder("gpt_neox"))
+    neox_model = make_decoder("gpt_neox")
+    head = next(n for n, m in neox_model.named_modules() if m is neox_model.get_output_embeddings())
+    assert head == ("lm_head" if is_transformers_5() else "embed_out")  # transformers 4.57 names it embed_out
+    neox = build_layer_list(neox_model)
     assert neox.names == ["gpt_neox.embed_in", "gpt_neox.emb_dropout", *[f"gpt_neox.layers.{i}" for i in range(4)],
-                          "gpt_neox.final_layer_norm", "lm_head"]
+                          "gpt_neox.final_layer_norm", head]
     falcon = build_layer_list(make_decoder("falcon"))
     assert falcon.names == ["transformer.word_embeddings", *[f"transformer.h.{i}" for i in range(4)],
                             "transformer.ln_f", "lm_head"]

@@ -6,7 +6,9 @@ unchanged under ``torchrun`` at tensor_parallel_degree 1 (2 data-parallel ranks)
 pipeline_parallel_degree 2 (4 ranks: the distributed transformer cut into stages; also with
 ``--model-type gpt_neo``, a GPT-Neo with a global and a local attention layer), and 2 with
 sharded_data_parallel_degree 2 (4 ranks, prescaled_batch, delayed parameter initialization; SMP clips
-gradients at 1.0 with sharded data parallelism, and so does the reference).
+gradients at 1.0 with sharded data parallelism, and so does the reference). As SMP's script, it runs
+with ``flash_attention=1`` by default (attention by scaled_dot_product_attention); the runs from given
+weights use ``--flash-attention 0`` (the eager attention).
 
 Started from its own initialisation (the script's default), the distributed model's starting weights
 (saved by the script in Hugging Face's names) are the distributed transformer's fresh ones, the same
@@ -99,7 +101,7 @@ def test_smp_gpt2_transformer_script_runs_unchanged_and_matches_hugging_face(tp,
         torch.manual_seed(31)
         given = script.MODELS[model_type][0](script.model_config(model_type)).state_dict()
         torch.save(given, tmp_path / "given.pt")
-        args += ["--init-from", str(tmp_path / "given.pt")]
+        args += ["--init-from", str(tmp_path / "given.pt"), "--flash-attention", "0"]  # the eager attention too
     if sdp > 1:  # SMP 1.15+: tensor parallelism with sharded data parallelism needs prescaled_batch
         args += ["--sharded-data-parallel-degree", str(sdp), "--prescaled-batch", "1", "--delayed-param", "1"]
     reports = run_torchrun(SCRIPT, 2 * pp * sdp, args, timeout_s=400)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from smp2ds.engine.integrations.transformers_compat import layer_hidden
 from smp2ds.engine.pipeline.families import traced
 from smp2ds.engine.pipeline.families.causal_lm import (
     CausalLMAdapter,
@@ -104,7 +105,7 @@ class Block(nn.Module):
                  "alibi": None, "use_cache": False, "cache": None, "past_key_values": None, "layer_past": None,
                  "output_attentions": False}
         out = self.block(hidden, **{k: v for k, v in given.items() if k in self.args})
-        return (out[0] if isinstance(out, tuple) else out), mask
+        return layer_hidden(out), mask
 
 
 def layer_list(model: nn.Module, parts: DecoderStructure) -> LayerList:

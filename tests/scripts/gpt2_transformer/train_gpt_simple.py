@@ -67,7 +67,7 @@ def parse_args():
     parser.add_argument("--query-key-layer-scaling", type=int, default=0)
     parser.add_argument("--fused-softmax", type=int, default=1)
     parser.add_argument("--fused-bias-gelu", type=int, default=0)
-    parser.add_argument("--flash-attention", type=int, default=0)
+    parser.add_argument("--flash-attention", type=int, default=1)  # SMP's example default
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--adam-eps", type=float, default=1e-8)
     parser.add_argument("--seed", type=int, default=12345)
