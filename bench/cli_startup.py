@@ -9,7 +9,7 @@ command alike), the wall time of:
 * ``smp2ds convert CONFIG`` (console script)  and ``python -m smp2ds.translator.cli convert CONFIG``
 * ``python -c "import torch"``               (what the CLI must never pay)
 
-and prints medians with ratios to the jsonschema floor. Target (design.md section 5): convert
+and prints medians with ratios to the jsonschema floor. Target (docs/internals.md#performance-targets): convert
 <= 1.5x the floor. A valid config never imports jsonschema (translator/schema_fast.py answers
 "valid" first), so convert is expected well below the floor; ``heavy modules imported`` of
 ``--importtime`` shows it. ``--importtime`` also lists the slowest imports of the convert path

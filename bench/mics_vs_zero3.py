@@ -27,7 +27,7 @@ the slowest rank's, from a barrier to its return):
 
 * step s; ratio to ZeRO-3 at the same accumulation (targets: <= 0.50 at 1, <= 0.30 at 4);
 * counter MB/rank: ring-model bytes (comm_counter) of collectives whose group spans the nodes,
-  mean over ranks, vs mapping-anchors.md section 1.2: MiCS 2 (R-1)/R * M/S; ZeRO-3 3 s (N-1)/N * M
+  mean over ranks, vs docs/internals.md#cost-model: MiCS 2 (R-1)/R * M/S; ZeRO-3 3 s (N-1)/N * M
   (s = accumulation; an upper bound: a ring over 4 ranks on 2 nodes has node-local links too, and
   DeepSpeed keeps a parameter gathered for the forward pass until its backward pass when it is
   reused within ``stage3_max_reuse_distance``, as in this small model: one gather, not two, per
@@ -260,7 +260,7 @@ def _launch(variants: tuple[str, ...], opts: argparse.Namespace, net: Namespaces
 
 
 def _formula(family: str, m: float, gas: int) -> float:
-    """Cross-node ring bytes per rank and optimizer step (mapping-anchors.md 1.2)."""
+    """Cross-node ring bytes per rank and optimizer step (docs/internals.md#cost-model)."""
     if family == "mics":
         r = WORLD // PER_NODE
         return 2 * (r - 1) / r * m / PER_NODE

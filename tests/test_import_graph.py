@@ -287,7 +287,10 @@ def test_no_import_cycles(graph, package):
 # import sits inside the function that serves that opt-in flag, and
 # tests/cli/test_cli.py::test_cli_never_imports_torch_or_deepspeed checks that validate/convert/explain
 # without --model never import torch.
-_OPT_IN_ENGINE_IMPORTS = {("smp2ds.translator.cli.explain", "smp2ds.engine.pipeline.explain")}
+# `smp2ds checkpoint` reads checkpoints (torch files) the same way: one import, inside the command function.
+_OPT_IN_ENGINE_IMPORTS = {("smp2ds.translator.cli.explain", "smp2ds.engine.pipeline.explain"),
+                          ("smp2ds.translator.cli.checkpoint", "smp2ds.engine.checkpoint_tools.commands"),
+                          ("smp2ds.translator.cli.checkpoint", "smp2ds.engine.exceptions")}
 
 
 def test_translator_never_imports_engine_torch_or_deepspeed(graph):

@@ -1,6 +1,6 @@
 """Batch arithmetic: SMP's per-rank batch and ``microbatches`` -> DeepSpeed's batch triple.
 
-SMP semantics (design.md section 3): the tensors handed to an ``@smp.step`` function are this
+SMP semantics (docs/smp-semantics.md#batches): the tensors handed to an ``@smp.step`` function are this
 rank's batch B; smp.step splits it into ``microbatches`` m pieces and accumulates gradients, so
 the SMP micro-batch is B/m and DeepSpeed's ``gradient_accumulation_steps`` is m.
 

@@ -1,6 +1,6 @@
 """What kind of document the user gave, and where its pieces are.
 
-Four input shapes reach the translator (design.md section 2): a bare SMP v1 ``parameters``
+Four input shapes reach the translator (docs/internals.md#inputs-and-the-plan): a bare SMP v1 ``parameters``
 dict, an estimator ``distribution`` dict, a whole estimator spec and an SMP v2 dict. This module
 recognises the shape and extracts the SMP parameters, the launcher blocks and the estimator
 fields, each with its path, so every later issue can point into the document as the user wrote
@@ -23,7 +23,7 @@ from typing import Any
 from .model import SourceKind, Strategy
 
 DISTRIBUTION_KEYS = frozenset({"smdistributed", "mpi", "torch_distributed", "pytorchddp"})
-# Keys that exist only in SMP v2 (smp-config.md section 8); their presence makes a bare dict v2.
+# Keys that exist only in SMP v2 (docs/smp-semantics.md#smp-v2); their presence makes a bare dict v2.
 V2_ONLY_KEYS = frozenset(
     {
         "hybrid_shard_degree",

@@ -1,6 +1,6 @@
 """Per-rank model-state memory and communication volume per optimizer step, by formula.
 
-The formulas are mapping-anchors.md section 1.2 (a standard ring alpha-beta model, derived, not
+The formulas are docs/internals.md#cost-model (a standard ring alpha-beta model, derived, not
 measured): Psi parameters; M = bytes of one copy of the parameters a rank's data-parallel group
 handles (Psi / (pp*tp) parameters x 2 bytes for fp16/bf16, 4 for fp32); s = micro-batches per
 optimizer step; a ring all-gather or reduce-scatter over g ranks moves (g-1)/g x M per rank, an

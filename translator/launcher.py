@@ -1,7 +1,7 @@
 """Launcher environment and command lines: the one builder of a SageMaker job's ``SM_*`` variables.
 
 SageMaker ran ``mpirun`` over hosts ``algo-1..algo-N`` and exported the job's settings as
-``SM_*`` variables (smp-config.md section 6): ``SM_HP_MP_PARAMETERS`` is the compact JSON
+``SM_*`` variables (docs/smp-semantics.md#launch-environment): ``SM_HP_MP_PARAMETERS`` is the compact JSON
 (``sort_keys``, no spaces) of the SMP parameters, ``SM_FRAMEWORK_PARAMS`` the ``sagemaker_*``
 framework keys. Two users build on the same pieces here:
 

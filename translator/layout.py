@@ -165,6 +165,11 @@ def _v1_world_issues(config: SMPConfig, world: int, source: str) -> list[Issue]:
     )
     formula = f"pipeline_parallel_degree({pp}) * tensor_parallel_degree({tp}) = {mp}"
     where = f"world_size comes from {source}"
+    # The mistake is usually the process count, so the hint says how to change it, then where it came from.
+    fix = (
+        f"start a multiple of {mp} processes (torchrun --nproc-per-node, deepspeed --num_gpus, mpirun -np) "
+        f"or lower the degrees; {where}"
+    )
     if mp > world:
         return [
             Issue(
@@ -172,7 +177,7 @@ def _v1_world_issues(config: SMPConfig, world: int, source: str) -> list[Issue]:
                 f"{formula} exceeds world_size({world})",
                 given=mp,
                 allowed=f"a product that divides {world}: {_divisors(world)}",
-                hint=where,
+                hint=fix,
             )
         ]
     if world % mp:
@@ -182,7 +187,7 @@ def _v1_world_issues(config: SMPConfig, world: int, source: str) -> list[Issue]:
                 f"world_size({world}) is not divisible by {formula}",
                 given=mp,
                 allowed=f"a product that divides {world}: {_divisors(world)}",
-                hint=where,
+                hint=fix,
             )
         ]
     issues = []

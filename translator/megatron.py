@@ -1,6 +1,6 @@
 """Megatron-Core / Megatron-LM / Megatron-DeepSpeed equivalents of an SMP layout.
 
-Rank order (mapping-anchors section 5.2): SMP's ``placement_strategy`` letters put the fastest
+Rank order (docs/internals.md#rank-order): SMP's ``placement_strategy`` letters put the fastest
 axis right-most; Megatron's order string puts it left-most (``tp-dp-pp`` is its default) and
 DeepSpeed's ``ProcessTopology`` lists axes slowest first. So ``cluster`` = ``DPT`` becomes
 Megatron ``tp-pp-dp`` (``--use-tp-pp-dp-mapping``) and DeepSpeed axes ``[data, pipe, model]``.

@@ -104,7 +104,7 @@ class KeyNote:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """Everything needed to run an SMP configuration on DeepSpeed (see design.md section 2)."""
+    """Everything needed to run an SMP configuration on DeepSpeed (see docs/internals.md#inputs-and-the-plan)."""
 
     topology: Mapping[str, Any]
     deepspeed: Mapping[str, Any]

@@ -3,7 +3,7 @@ and launcher settings, with the fate of every key the user gave.
 
 Pure: no torch, no deepspeed, no I/O. Each concern lives in its own module (zero, precision,
 batch, activation, tensor_parallel, megatron, launcher); this module derives the layout, assembles
-the sections and writes the notes. design.md section 3 fixes the SMP semantics.
+the sections and writes the notes. docs/smp-semantics.md lists the SMP semantics.
 """
 
 from __future__ import annotations

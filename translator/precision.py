@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 Dtype = Literal["fp16", "bf16", "fp32"]
 
-# SMP's DynamicLossScaler defaults (smp-torch-api.md section 6).
+# SMP's DynamicLossScaler defaults (docs/smp-semantics.md#precision).
 SMP_DYNAMIC_LOSS_DEFAULTS: dict[str, Any] = {
     "init_scale": 2.0**32,
     "scale_factor": 2.0,
@@ -41,7 +41,7 @@ def fp16_block(
 ) -> tuple[dict[str, Any], list[str]]:
     """DeepSpeed's ``fp16`` block for SMP's loss-scale arguments, plus remarks on inexact parts.
 
-    Mapping (design.md section 3): init_scale -> initial_scale_power (log2), scale_window ->
+    Mapping (docs/smp-semantics.md#precision): init_scale -> initial_scale_power (log2), scale_window ->
     loss_scale_window, min_scale -> min_loss_scale, delayed_shift -> hysteresis,
     consecutive_hysteresis -> consecutive_hysteresis; a static scale -> loss_scale.
     Raises ValueError for values DeepSpeed cannot represent at all (non-positive scales, unknown keys).

@@ -1,4 +1,4 @@
-"""Cross-key rules of SMP (smp-config.md section 3) and of the estimator `distribution`.
+"""Cross-key rules of SMP (docs/smp-semantics.md#cross-key-rules) and of the estimator `distribution`.
 
 Every rule lives here, reports an Issue at the pointer of the key that asks for something
 (``tensor_parallel_degree`` for "tp > 1 needs ddp"), prints the values involved and says how to

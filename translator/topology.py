@@ -1,7 +1,7 @@
 """SMP rank arithmetic: coordinates and groups for pp x tp x rdp under a placement strategy.
 
 Pure Python (no torch): the translator uses it to describe a layout and the engine uses it to
-create process groups. SMP semantics (smp-config.md section 4):
+create process groups. SMP semantics (docs/smp-semantics.md#ranks-and-placement):
 
 * three axes, ``P`` (pipeline, size pp), ``T`` (tensor, size tp) and ``D`` (reduced data
   parallel, size rdp); ``placement_strategy`` is a permutation of the letters whose right-most

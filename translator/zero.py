@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 # SMP's sharded-data-parallel defaults (backend/ds_config_defaults.json in SMP 1.12.1, see
-# mapping-anchors section 3.4): fixed, not user-settable, so they are copied as-is.
+# docs/smp-semantics.md#sharded-data-parallelism): fixed, not user-settable, so they are copied as-is.
 SMP_SDP_FIXED: dict[str, Any] = {
     "overlap_comm": True,
     # SMP required contiguous_gradients off for its ZeRO-2D; kept so numerics match SMP's.

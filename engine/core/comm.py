@@ -1,4 +1,4 @@
-"""The one module that talks to ``torch.distributed`` (style.md practice 14).
+"""The one module that talks to ``torch.distributed`` (CONTRIBUTING.md, convention 9).
 
 Everything else in the engine calls these thin functions, so the set of collectives we use is
 visible in one place and a grep check can keep it that way. Global ranks are used at this

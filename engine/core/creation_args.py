@@ -24,8 +24,9 @@ TENSOR_PARALLEL_CONFIG_KEYS = frozenset({
     "single_pre_layernorm", "scale_attention_scores", "scale_attn_by_layer_idx", "use_alibi",
     "alibi_bias_max", "flash_attention", "triton_flash_attention",
 })
-"""``model_creation(**tensor_parallel_config)`` keys SMP passes to its distributed modules (smp-torch-api.md
-section 7-8 and the SMP example scripts). They only act on modules marked for tensor parallelism."""
+"""``model_creation(**tensor_parallel_config)`` keys SMP passes to its distributed modules
+(docs/smp-semantics.md#tensor-parallelism and the SMP example scripts). They only act on modules marked for
+tensor parallelism."""
 
 _TRAINING_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 

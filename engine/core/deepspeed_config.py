@@ -17,7 +17,7 @@ from typing import Any
 
 SMP_DYNAMIC_DEFAULTS = {"init_scale": 2.0**32, "scale_factor": 2.0, "scale_window": 1000, "min_scale": 1.0,
                         "delayed_shift": 1, "consecutive_hysteresis": False}
-"""SMP's dynamic loss-scaler defaults (smp-torch-api.md section 6)."""
+"""SMP's dynamic loss-scaler defaults (docs/smp-semantics.md#precision)."""
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class LossScaleArgs:
 
 
 def fp16_block(args: LossScaleArgs) -> dict[str, Any]:
-    """DeepSpeed ``fp16`` keys for SMP's loss-scaling arguments (design.md section 3, Precision)."""
+    """DeepSpeed ``fp16`` keys for SMP's loss-scaling arguments (docs/smp-semantics.md#precision)."""
     if not args.dynamic_loss_scale:
         scale = 1.0 if args.static_loss_scale is None else float(args.static_loss_scale)
         return {"loss_scale": scale}

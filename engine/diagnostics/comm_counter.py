@@ -13,7 +13,7 @@ Definitions (used by tests and ``bench/mics_vs_zero3.py``):
   the reduce-scatter input, the all-reduce / broadcast / reduce tensor, the all-to-all input.
 * ``ring_bytes``: what one rank sends under the ring model of the collective over g ranks:
   ``(g-1)/g * X`` for all-gather, reduce-scatter, broadcast, reduce and all-to-all, and
-  ``2 (g-1)/g * X`` for all-reduce (the model behind mapping-anchors.md section 1.2).
+  ``2 (g-1)/g * X`` for all-reduce (the model of docs/internals.md#cost-model).
 * ``cross_node_ring_bytes(ranks_per_node)``: the ring bytes of the collectives whose group holds
   ranks of more than one node (node = global rank // ranks_per_node). For the MiCS replica
   all-reduce every member sits on a different node, so all of it crosses the node boundary.

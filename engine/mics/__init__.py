@@ -1,7 +1,8 @@
 """MiCS-style sharded data parallelism (``sharded_data_parallel_degree``) on DeepSpeed ZeRO-3.
 
 DeepSpeed >= 0.19.7 removed its MiCS; this package rebuilds it on DeepSpeed's plain ZeRO-3 by
-choosing the group ZeRO-3 partitions over, and adding what ZeRO-3 lacks (design.md section 3):
+choosing the group ZeRO-3 partitions over, and adding what ZeRO-3 lacks
+(docs/smp-semantics.md#sharded-data-parallelism):
 
 * S = ``sharded_data_parallel_degree`` ranks per *shard group* (consecutive data-parallel
   ranks), R = dp / S *replica groups* (strided ranks holding the same shard);

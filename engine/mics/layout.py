@@ -3,7 +3,7 @@
 No torch here, so every layout can be tested exhaustively without processes. ``groups.py``
 turns a ``MicsLayout`` into torch process groups.
 
-Terms (design.md section 3, mapping-anchors.md section 1.1):
+Terms (docs/smp-semantics.md#sharded-data-parallelism):
 
 * shard group: S consecutive data-parallel ranks; model states are ZeRO-3-partitioned inside it;
 * replica group: the R = dp / S ranks (one per shard group) that hold the same shard;

@@ -1,9 +1,10 @@
 """The extra keyword arguments SMP's distributed transformer modules take, checked in one place.
 
-Each ``smp.nn.DistributedTransformer*`` constructor accepts SMP's extras (smp-torch-api.md section
-10). Every extra is either implemented (:class:`Options` carries it to the layers), accepted because
-it only picks a kernel (smp2ds runs PyTorch's kernels: the maths is the same), or refused with an
-error naming it, the value given and what is supported. Unknown names are refused too.
+Each ``smp.nn.DistributedTransformer*`` constructor accepts SMP's extras
+(docs/smp-semantics.md#tensor-parallelism). Every extra is either implemented (:class:`Options`
+carries it to the layers), accepted because it only picks a kernel (smp2ds runs PyTorch's kernels:
+the maths is the same), or refused with an error naming it, the value given and what is supported.
+Unknown names are refused too.
 """
 
 from __future__ import annotations

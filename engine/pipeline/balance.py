@@ -4,7 +4,7 @@ Pure Python (no torch): inputs are per-layer numbers, outputs are stage boundari
 ``parts`` in DeepSpeed's convention (``len == stages + 1``; stage ``s`` owns layers
 ``parts[s]:parts[s+1]``).
 
-Cost (SMP's ``memory_weight`` objective, smp-config.md section 2.1)::
+Cost (SMP's ``memory_weight`` objective, docs/smp-semantics.md#parameters)::
 
     cost_i = w * memory_i / sum(memory) + (1 - w) * compute_i / sum(compute)
 

@@ -1,6 +1,6 @@
 """Manual stage assignment: ``smp.partition(i)`` and ``smp.set_partition(module, i)``.
 
-SMP semantics (smp-torch-api.md section 7): modules *created* inside ``with smp.partition(i):``
+SMP semantics (docs/smp-semantics.md#pipelines): modules *created* inside ``with smp.partition(i):``
 belong to partition ``i`` (innermost context wins); ``set_partition`` assigns an existing module
 and, by default, its children; modules outside any context follow their nearest assigned
 ancestor, else ``default_partition``. Both only take effect with ``auto_partition: false``.

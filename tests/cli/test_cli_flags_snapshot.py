@@ -32,11 +32,13 @@ SNAPSHOT: dict[str, dict[str, object]] = {
     "explain": {
         "options": [
             "--batch-size",
+            "--diagram",
             "--format{json,text}=text",
             "--gpus-per-node",
             "--model",
             "--params",
             "--scale",
+            "--schedule",
             "--seq-len",
             "--world-size",
             "-h/--help",
@@ -64,6 +66,23 @@ SNAPSHOT: dict[str, dict[str, object]] = {
     "schema": {
         "options": ["--format{json,text}=text", "--path", "--print", "--vscode", "-h/--help"],
         "positionals": [],
+    },
+    "doctor": {"options": ["--config", "--format{json,text}=text", "--nodes", "--world-size", "-h/--help"],
+               "positionals": []},
+    "checkpoint": {"options": ["-h/--help"], "positionals": ["ACTION"]},
+    "checkpoint inspect": {"options": ["--format{json,text}=text", "--tag", "-h/--help"], "positionals": ["PATH"]},
+    "checkpoint consolidate": {
+        "options": ["--format{pt,safetensors}=safetensors", "--out", "--quiet", "--tag", "--with-optimizer",
+                    "-h/--help"],
+        "positionals": ["PATH"],
+    },
+    "checkpoint reshard": {
+        "options": ["--out", "--pp", "--quiet", "--rdp", "--tag", "--tp", "--world", "-h/--help"],
+        "positionals": ["PATH"],
+    },
+    "checkpoint export": {
+        "options": ["--config", "--model-type", "--num-attention-heads", "--quiet", "--tag", "--to", "-h/--help"],
+        "positionals": ["PATH"],
     },
 }
 
@@ -96,11 +115,14 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
 
 
 def test_subcommands_are_the_documented_five():
-    assert tuple(subparsers(build_parser())) == COMMANDS == ("validate", "convert", "explain", "launch", "schema")
+    assert tuple(subparsers(build_parser())) == COMMANDS == ("validate", "convert", "explain", "launch", "schema",
+                                                               "checkpoint", "doctor")
 
 
 def test_flag_snapshot():
     parser = build_parser()
     current = {"smp2ds": describe(parser)}
     current.update({name: describe(sub) for name, sub in subparsers(parser).items()})
+    for name, sub in subparsers(parser).items():  # actions of a command (`checkpoint inspect`)
+        current.update({f"{name} {action}": describe(nested) for action, nested in subparsers(sub).items()})
     assert current == SNAPSHOT

@@ -70,17 +70,3 @@ def test_text_table(capsys):
     # 8e9 bytes = 7.45 GiB of model states; 3e9 bytes = 2.79 GiB all-reduce; 18e9 = 16.76 GiB
     assert lines[3].split() == ["this", "plan", "(ddp)", "7.45", "GiB", "2.79", "GiB", "0", "B"]
     assert lines[4].split()[-6:] == ["1.86", "GiB", "16.76", "GiB", "0", "B"]
-
-
-def test_readme_scale_section_is_the_commands_output(capsys, monkeypatch):
-    """The README's "Scaling on paper" block is exactly what its commands print today."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("### Scaling on paper") :]
-    block = section[section.index("```\n") + 4 : section.index("\n```", section.index("```\n") + 4) + 1]
-    runs = block.split("$ smp2ds ")[1:]
-    assert len(runs) == 2
-    monkeypatch.chdir(ROOT)
-    for chunk in runs:
-        command, expected = chunk.split("\n", 1)
-        assert main(command.split()) == 0
-        assert capsys.readouterr().out == expected.rstrip("\n") + "\n", command

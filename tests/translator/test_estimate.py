@@ -1,4 +1,4 @@
-"""estimate(): the mapping-anchors section 1.2 formulas, worked by hand for concrete layouts."""
+"""estimate(): the formulas of docs/internals.md#cost-model, worked by hand for concrete layouts."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_mics_one_node_per_shard_group_on_two_nodes():
 
 
 def test_hierarchical_allgather_over_two_nodes_matches_the_1_875x_example():
-    # mapping-anchors 1.2: k=2 nodes of n=8, one shard group of p=16: 0.94 M vs 0.50 M per node
+    # docs/internals.md#cost-model: k=2 nodes of n=8, one shard group of p=16: 0.94 M vs 0.50 M per node
     est = estimate(make({"ddp": True, "bf16": True, "sharded_data_parallel_degree": 16}, 16, 8), PSI)
     mics = est["schemes"]["mics"]
     assert mics["hierarchical_allgather"] and mics["nodes_per_shard_group"] == 2

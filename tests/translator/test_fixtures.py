@@ -1,4 +1,4 @@
-"""Golden cases, discovered by directory (style.md practice 12).
+"""Golden cases, discovered by directory (CONTRIBUTING.md, convention 7).
 
 valid/<case>/input.json must normalize; an optional expected.json pins fields of the result
 (kind, strategy, smp_version, a subset of params / v2, the given keys and the resolved layout).

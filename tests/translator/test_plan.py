@@ -65,7 +65,7 @@ def test_batch_not_divisible_by_microbatches_points_at_microbatches():
 @pytest.mark.parametrize(
     "placement, mp_groups, dp_groups",
     [
-        # smp-config.md section 4 / the SMP docs table: 8 GPUs, 2 partitions, no TP
+        # docs/smp-semantics.md#ranks-and-placement, the SMP docs table: 8 GPUs, 2 partitions, no TP
         ("cluster", [[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]]),
         ("spread", [[0, 4], [1, 5], [2, 6], [3, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]]),
     ],

@@ -11,7 +11,7 @@ from jsonschema import Draft202012Validator
 from smp2ds.schemas import SCHEMA_FILES, load_schema
 from smp2ds.translator.schema_check import registry, validator_for
 
-# Every name of smp-config.md section 2 (tables 2.1-2.6), the alias `partitions` and
+# Every name of SMP's parameter tables (docs/smp-semantics.md#parameters), the alias `partitions` and
 # `overlapping_allreduce` (a DistributedModel argument that seed 000 passes as a parameter).
 # Written out from the reference, not derived from the schema, so a dropped key fails here.
 REFERENCE_V1_KEYS = {

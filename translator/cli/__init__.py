@@ -1,6 +1,6 @@
 """The ``smp2ds`` command line: ``validate``, ``convert``, ``explain``, ``launch`` and ``schema``.
 
-Thin by design (style.md practice 13): each subcommand lives in its own module with
+Thin by design (CONTRIBUTING.md, convention 8): each subcommand lives in its own module with
 ``<name>_command_parser(subparsers)`` and ``<name>_command(args) -> int``; this module builds the
 parser, runs the chosen command and turns every expected failure into a message and an exit code:
 
@@ -26,7 +26,7 @@ EXIT_INVALID = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
 
-COMMANDS: tuple[str, ...] = ("validate", "convert", "explain", "launch", "schema")
+COMMANDS: tuple[str, ...] = ("validate", "convert", "explain", "launch", "schema", "checkpoint", "doctor")
 
 
 class UsageError(Exception):
@@ -117,6 +117,8 @@ SUMMARIES: dict[str, str] = {
     "explain": "key fates, memory and communication",
     "launch": "run an SMP script on DeepSpeed",
     "schema": "list, print or locate the JSON Schemas (editor setup)",
+    "checkpoint": "inspect, consolidate, export or reshard SMP checkpoints (offline)",
+    "doctor": "check this machine for a job: versions, devices, ops, launch env",
 }
 
 

@@ -76,6 +76,7 @@ def explain_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         help="sequence length for the tensor-parallel traffic estimate (with --model and --batch-size; "
         "default: the model's maximum positions)",
     )
+    _add_drawing_args(parser)
     add_layout_args(parser)
     add_format_arg(parser)
     parser.set_defaults(handler=explain_command)
@@ -98,6 +99,7 @@ def explain_command(args: argparse.Namespace) -> int:
     estimate = _estimate(result, params, "--model" if split and not args.params else None)
     tp_traffic = _tp_traffic(args, result) if args.model else None
     transformer = any(n.key == "tensor_parallel_degree" for n in result.notes)
+    _draw(args, result)
     if args.scale:
         from . import scale, source_name
 
@@ -137,12 +139,55 @@ def explain_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _add_drawing_args(parser: argparse.ArgumentParser) -> None:
+    from .diagram import output_path
+
+    parser.add_argument(
+        "--diagram",
+        type=output_path,
+        metavar="FILE.svg|.png",
+        help="also draw the rank grid: nodes, each rank's pp stage / tp rank / rdp rank (and sdp shard group), "
+        "and the groups that communicate, per kind (needs matplotlib: pip install 'smp2ds[plot]')",
+    )
+    parser.add_argument(
+        "--schedule",
+        type=output_path,
+        metavar="FILE.svg|.png",
+        help="also draw the pipeline schedule the engine runs: forward and backward passes per micro-batch and "
+        "stage over time, the bubble shaded (needs matplotlib)",
+    )
+
+
+def _draw(args: argparse.Namespace, result: Any) -> None:
+    """Write the pictures asked for; the note goes to stderr so stdout stays the report (maybe JSON)."""
+    import sys
+
+    from smp2ds.translator import diagram as data
+
+    from . import UsageError, diagram
+
+    if args.diagram:
+        try:
+            grid = data.rank_grid(result.topology)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        diagram.render_grid(grid, args.diagram)
+        sys.stderr.write(f"wrote the rank grid to {args.diagram}\n")
+    if args.schedule:
+        pipeline = result.engine["pipeline"]
+        if int(pipeline["stages"]) < 2:
+            raise UsageError("--schedule draws a pipeline, but pipeline_parallel_degree is 1 in this configuration")
+        timeline = data.schedule_timeline(pipeline)
+        diagram.render_timeline(timeline, args.schedule)
+        sys.stderr.write(f"wrote the pipeline schedule to {args.schedule} ({timeline.note})\n")
+
+
 DEFAULT_PARAMS = 1_000_000_000
 """Without ``--params`` the estimate is shown for 1e9 parameters (it scales linearly)."""
 
 
 def _estimate(result: Any, params: int | None, source: str | None = None) -> dict[str, Any]:
-    """Call the translator's estimator (formulas of mapping-anchors section 1.2) and make it JSON."""
+    """Call the translator's estimator (formulas of docs/internals.md#cost-model) and make it JSON."""
     from smp2ds.translator.estimate import estimate
 
     from . import report

@@ -1,7 +1,7 @@
 """``smp2ds launch -- SCRIPT ARGS``: run an unchanged SMP script the way SageMaker would start it.
 
 SageMaker's training toolkit exports the SMP parameters as ``SM_HP_MP_PARAMETERS`` and the
-``sagemaker_*`` framework keys as ``SM_FRAMEWORK_PARAMS`` (smp-config.md section 6), then runs
+``sagemaker_*`` framework keys as ``SM_FRAMEWORK_PARAMS`` (docs/smp-semantics.md#launch-environment), then runs
 mpirun. Here the same variables are set (taken from the plan's launcher section when it has
 them) and the script runs under the deepspeed launcher, torchrun or mpirun, as a subprocess
 whose exit code becomes ours. Without GPUs (no ``nvidia-smi``) the ranks run on the CPU with

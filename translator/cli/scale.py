@@ -2,7 +2,7 @@
 
 One row per layout with the per-rank model-state memory and the bytes each rank sends per
 optimizer step, split by link: inside a node (NVLink / shared memory) and across nodes (the
-network). Every figure comes from ``smp2ds.translator.estimate`` (mapping-anchors section 1.2),
+network). Every figure comes from ``smp2ds.translator.estimate`` (docs/internals.md#cost-model),
 the same formulas the benches compare their measured traffic with; nothing is computed here
 except the in-node share, which is each scheme's traffic minus its cross-node traffic.
 """

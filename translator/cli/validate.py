@@ -46,6 +46,8 @@ def validate_command(args: argparse.Namespace) -> int:
     try:
         doc = load_document(args.file)
         issues = list(validate(doc, layout))
+        if not issues:
+            issues = _refusals(doc, layout)
         summary = _summary(doc, layout) if not issues else None
     except SMPConfigError as err:  # malformed JSON, duplicate keys, or normalize's own checks
         issues = list(err.issues)
@@ -62,6 +64,18 @@ def validate_command(args: argparse.Namespace) -> int:
         details = ", ".join(f"{k} {v}" for k, v in (summary or {}).items())
         write_stdout(f"{source}: valid SMP configuration ({details})\n")
     return EXIT_OK
+
+
+def _refusals(doc: Any, layout: Any) -> list[Any]:
+    """What ``smp.init`` would refuse (keys the plan calls ``unsupported``), so "valid" means it will start."""
+    from smp2ds.translator import normalize, plan
+    from smp2ds.translator.issues import SMPConfigError
+
+    try:
+        plan(normalize(doc, layout), layout).raise_if_unsupported()
+    except SMPConfigError as err:
+        return list(err.issues)
+    return []
 
 
 def _summary(doc: Any, layout: Any) -> dict[str, Any]:

@@ -1,0 +1,157 @@
+"""Memory and time of ``smp2ds checkpoint consolidate`` on a large synthetic checkpoint.
+
+Writes a GPT-2-shaped partial checkpoint in smp2ds's on-disk format (``model_<pp>_<tp>.pt`` per
+pipeline stage and tensor-parallel rank, Hugging Face GPT-2 names, ``Conv1D`` pieces cut as the
+engine cuts them, the tied embedding on both stages) at tp 2 x pp 2; default size: hidden 2048,
+24 layers, vocabulary 50257, 2048 positions = 1.31B fp32 parameters (5.2 GB). Then, each in its
+own fresh interpreter, measures:
+
+* ``baseline``: the interpreter with torch and smp2ds's checkpoint tools imported, nothing done;
+* ``copy``: a plain read and write of the same bytes (every model file read in 64 MiB blocks and
+  appended to one output file, fsynced), the floor for any tool that must read and write them;
+* ``consolidate``: ``smp2ds checkpoint consolidate`` in process (safetensors, streamed), fsynced.
+
+and prints peak RSS above the baseline (``VmHWM``, which counts mapped file pages touched)
+and wall time against the copy. Target (issue 23): peak <= 1.5 GB above the interpreter, time
+<= 2x the copy. The page cache is not dropped (a shared machine); the runs alternate copy /
+consolidate ``--rounds`` times so both meet the same cache state, and medians are reported.
+
+Usage: python bench/checkpoint_consolidate.py [--hidden 2048 --layers 24] [--dir /tmp/ckpt-bench]
+       [--rounds 2] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = r"""
+import json, os, sys, time
+import torch
+from smp2ds.engine.checkpoint_tools import consolidate, layout
+mode, src, out = sys.argv[1:4]
+start = time.perf_counter()
+if mode == "copy":
+    with open(out, "wb") as dst:
+        for name in sorted(os.listdir(src)):
+            if name.startswith("model_"):
+                with open(os.path.join(src, name), "rb") as handle:
+                    while block := handle.read(64 << 20):
+                        dst.write(block)
+        dst.flush(); os.fsync(dst.fileno())
+elif mode == "consolidate":
+    consolidate.consolidate(layout.find(src), out)
+    with open(out, "rb") as handle:
+        os.fsync(handle.fileno())
+# VmHWM: this process's own peak (ru_maxrss would carry the parent's peak across fork and exec)
+with open("/proc/self/status") as status:
+    peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+print(json.dumps({"seconds": time.perf_counter() - start, "peak_rss_bytes": peak}))
+"""
+
+
+def write_checkpoint(folder: str, hidden: int, layers: int, vocab: int, positions: int) -> int:
+    """The tp 2 x pp 2 partial files; returns the number of parameters of the full model."""
+    import torch
+
+    from smp2ds.engine.tensor_parallel.shards import ShardSpec
+
+    part = os.path.join(folder, "bench_partial")
+    os.makedirs(part, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    shared = {"transformer.wte.weight": torch.randn(vocab, hidden, generator=g),
+              "transformer.wpe.weight": torch.randn(positions, hidden, generator=g)}
+    shared["lm_head.weight"] = shared["transformer.wte.weight"]
+    params = sum(t.numel() for k, t in shared.items() if k != "lm_head.weight")
+    block = {"ln_1.weight": ((hidden,), None), "ln_1.bias": ((hidden,), None),
+             "attn.c_attn.weight": ((hidden, 3 * hidden), ShardSpec(1, 2, 3)),
+             "attn.c_attn.bias": ((3 * hidden,), ShardSpec(0, 2, 3)),
+             "attn.c_proj.weight": ((hidden, hidden), ShardSpec(0, 2)), "attn.c_proj.bias": ((hidden,), None),
+             "ln_2.weight": ((hidden,), None), "ln_2.bias": ((hidden,), None),
+             "mlp.c_fc.weight": ((hidden, 4 * hidden), ShardSpec(1, 2)),
+             "mlp.c_fc.bias": ((4 * hidden,), ShardSpec(0, 2)),
+             "mlp.c_proj.weight": ((4 * hidden, hidden), ShardSpec(0, 2)), "mlp.c_proj.bias": ((hidden,), None)}
+    for stage in (0, 1):
+        mine = range(stage * layers // 2, (stage + 1) * layers // 2)
+        files: list[dict] = [{"_smp_is_partial": True}, {"_smp_is_partial": True}]
+        for i in mine:
+            for name, (shape, spec) in block.items():
+                full = torch.randn(*shape, generator=g)
+                params += full.numel()
+                for rank in (0, 1):
+                    files[rank][f"transformer.h.{i}.{name}"] = spec.local(full, rank) if spec else full
+        ends = ("transformer.wte.weight", "transformer.wpe.weight") if stage == 0 else \
+            ("lm_head.weight", "transformer.ln_f.weight", "transformer.ln_f.bias")
+        for key in ends:
+            value = shared.get(key, torch.ones(hidden))
+            if key in ("transformer.ln_f.weight", "transformer.ln_f.bias"):
+                params += hidden
+            for rank in (0, 1):
+                files[rank][key] = value
+        for rank in (0, 1):
+            torch.save(files[rank], os.path.join(part, f"model_{stage}_{rank}.pt"))
+        del files
+    torch.save({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2}, os.path.join(part, "smp_config.pt"))
+    return params
+
+
+def run(mode: str, src: str, out: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-c", CHILD, mode, src, out], env=env, check=True, capture_output=True,
+                          text=True)
+    if os.path.exists(out):
+        os.unlink(out)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--positions", type=int, default=2048)
+    ap.add_argument("--dir", default="/tmp/smp2ds-ckpt-bench")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
+    args = ap.parse_args()
+    src = os.path.join(args.dir, "bench_partial")
+    t0 = time.perf_counter()
+    params = write_checkpoint(args.dir, args.hidden, args.layers, args.vocab, args.positions)
+    size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src) if f.startswith("model_"))
+    print(f"synthetic checkpoint: {params / 1e9:.3f}B fp32 parameters, tp 2 x pp 2, {size / 1e9:.2f} GB of model "
+          f"files (written in {time.perf_counter() - t0:.0f} s)")
+    out = os.path.join(args.dir, "out.bin")
+    try:
+        base = run("baseline", src, out)
+        copies, cons = [], []
+        for _ in range(args.rounds):
+            copies.append(run("copy", src, out))
+            cons.append(run("consolidate", src, out))
+    finally:
+        if not args.keep:
+            shutil.rmtree(args.dir, ignore_errors=True)
+    med = {name: {k: statistics.median(r[k] for r in runs) for k in ("seconds", "peak_rss_bytes")}
+           for name, runs in (("copy", copies), ("consolidate", cons))}
+    gb = 1e9
+    print(f"interpreter baseline peak RSS: {base['peak_rss_bytes'] / gb:.2f} GB")
+    for name in ("copy", "consolidate"):
+        m = med[name]
+        rounds = ", ".join(f"{r['seconds']:.1f}" for r in (copies if name == "copy" else cons))
+        print(f"{name:<12} wall {m['seconds']:.1f} s (rounds: {rounds}), peak RSS above "
+              f"baseline {(m['peak_rss_bytes'] - base['peak_rss_bytes']) / gb:.2f} GB")
+    ratio = med["consolidate"]["seconds"] / med["copy"]["seconds"]
+    above = (med["consolidate"]["peak_rss_bytes"] - base["peak_rss_bytes"]) / gb
+    print(f"consolidate / copy time: {ratio:.2f}x (target <= 2x); peak RSS above the interpreter {above:.2f} GB "
+          "(target <= 1.5 GB)")
+
+
+if __name__ == "__main__":
+    main()

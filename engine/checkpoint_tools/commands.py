@@ -1,0 +1,111 @@
+"""The ``smp2ds checkpoint`` subcommands' bodies (the CLI module parses flags and calls these).
+
+Each returns the exit code: 0 done / whole, 1 the checkpoint is incomplete or corrupt (every
+problem printed with its file), and raises :class:`SMPError` subclasses for refused arguments.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from smp2ds.engine.checkpoint_tools import consolidate as consolidation
+from smp2ds.engine.checkpoint_tools import hf_export, inspect_report, layout, optimizer_state
+from smp2ds.engine.checkpoint_tools import reshard as resharding
+from smp2ds.engine.exceptions import SMPCheckpointError, SMPInvalidArgumentError
+
+EXIT_OK, EXIT_BROKEN = 0, 1
+
+
+def inspect(path: str, tag: str | None, fmt: str, out: TextIO | None = None) -> int:
+    out = out or sys.stdout  # looked up per call: tests and callers swap sys.stdout
+    rep = inspect_report.report(path, tag)
+    out.write(inspect_report.render_json(rep) if fmt == "json" else inspect_report.render_text(rep))
+    return EXIT_OK if rep["complete"] else EXIT_BROKEN
+
+
+def _progress(quiet: bool, label: str) -> tuple[Callable[[int], None] | None, Any]:
+    """A tqdm bar on a terminal (bytes), nothing with ``--quiet`` or when stderr is not a terminal."""
+    if quiet or not sys.stderr.isatty():
+        return None, None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None, None
+    bar = tqdm(unit="B", unit_scale=True, desc=label, file=sys.stderr)
+    return bar.update, bar
+
+
+def _report(action: str, work: Callable[[], str], quiet: bool, err: TextIO | None) -> int:
+    """Run ``work`` (it returns its summary): a broken checkpoint is exit 1 with every problem printed."""
+    err = err or sys.stderr
+    try:
+        summary = work()
+    except SMPCheckpointError as exc:
+        err.write(f"smp2ds checkpoint {action}: {exc}\n")
+        return EXIT_BROKEN
+    if not quiet:
+        err.write(summary + "\n")
+    return EXIT_OK
+
+
+def consolidate(path: str, out: str, fmt: str, tag: str | None, with_optimizer: bool, quiet: bool,
+                err: TextIO | None = None) -> int:
+    if fmt not in ("safetensors", "pt"):
+        raise SMPInvalidArgumentError(f"--format {fmt!r}: allowed safetensors or pt")
+    found = layout.find(path, tag)
+
+    def work() -> str:
+        update, bar = _progress(quiet, "consolidate")
+        try:
+            optimizer = _optimizer(found) if with_optimizer else None  # refused before anything is written
+            entries = consolidation.consolidate(found, out, fmt, progress=update)
+        finally:
+            if bar is not None:
+                bar.close()
+        params = sum(_numel(e.shape) for e in entries)
+        summary = f"wrote {out}: {len(entries)} tensors, {params:,} parameters"
+        if optimizer is not None:
+            consolidation.save_pt(optimizer, optimizer_state.optimizer_path(out))
+            summary += (f"\nwrote {optimizer_state.optimizer_path(out)}: optimizer state of "
+                        f"{len(optimizer['state'])} parameters")
+        return summary
+
+    return _report("consolidate", work, quiet, err)
+
+
+def _optimizer(found: layout.CheckpointLayout) -> dict:
+    reader = consolidation.ShardReader()
+    return optimizer_state.consolidate_optimizer(found, consolidation.checked_plan(found, reader), reader)
+
+
+def export(path: str, to: str, out_dir: str, tag: str | None, config: str | None, model_type: str | None,
+           heads: int | None, quiet: bool, err: TextIO | None = None) -> int:
+    if to != "hf":
+        raise SMPInvalidArgumentError(f"--to {to!r}: allowed hf")
+    found = layout.find(path, tag)
+
+    def work() -> str:
+        return f"wrote {out_dir}: {', '.join(hf_export.export(found, out_dir, config, model_type, heads))}"
+
+    return _report("export", work, quiet, err)
+
+
+def reshard(path: str, out: str, tag: str | None, tp: int, pp: int, rdp: int | None, world: int | None,
+            quiet: bool, err: TextIO | None = None) -> int:
+    ranks = resharding.target_rdp(tp, pp, rdp, world)
+    found = layout.find(path, tag)
+
+    def work() -> str:
+        files = resharding.reshard(found, out, tp, pp, ranks)
+        return f"wrote {out} for tp {tp} x pp {pp} x rdp {ranks} ({tp * pp * ranks} ranks): {', '.join(files)}"
+
+    return _report("reshard", work, quiet, err)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for extent in shape:
+        n *= extent
+    return n

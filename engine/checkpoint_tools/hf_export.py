@@ -1,0 +1,141 @@
+"""A consolidated checkpoint -> a Hugging Face model directory (``from_pretrained`` loads it).
+
+The full state dict is built (:mod:`.consolidate`), translated from SMP's distributed-transformer
+names to Hugging Face's where the checkpoint holds them (``smp.nn.huggingface``), loaded strictly
+into the model class the config names, and written with ``save_pretrained``: safetensors shards,
+their index and ``config.json``. The strict load is the check that every weight found its place.
+
+The config comes from ``--config FILE`` (a Hugging Face ``config.json``) or from ``--model-type``
+with the sizes read from the tensors' shapes; the head count is not in any shape, so it is given
+as ``--num-attention-heads``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from smp2ds.engine.checkpoint_tools import consolidate
+from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
+from smp2ds.engine.exceptions import SMPCheckpointError, SMPInvalidArgumentError, SMPUnsupportedError
+
+SIZED_TYPES = ("gpt2", "llama", "gpt_neox")
+
+
+def _translator(model_type: str, heads: int) -> Callable[[dict], dict]:
+    """SMP distributed-transformer names -> Hugging Face's, for ``model_type``."""
+    if model_type == "gpt2":
+        from smp2ds.engine.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
+        return translate_state_dict_to_hf_gpt2
+    if model_type == "gpt_neox":
+        from smp2ds.engine.nn.huggingface.gptneox import translate_state_dict_to_hf_gptneox
+        return lambda sd: translate_state_dict_to_hf_gptneox(sd, num_attention_heads=heads)
+    if model_type == "gpt_neo":
+        from smp2ds.engine.nn.huggingface.gptneo import translate_state_dict_to_hf_gptneo
+        return translate_state_dict_to_hf_gptneo
+    if model_type == "gptj":
+        from smp2ds.engine.nn.huggingface.gptj import translate_state_dict_to_hf_gptj
+        return translate_state_dict_to_hf_gptj
+    raise SMPUnsupportedError(f"the checkpoint holds SMP distributed-transformer names (seq_layers) and model type "
+                              f"{model_type!r} has no translator to Hugging Face names; allowed: gpt2, gpt_neox, "
+                              "gpt_neo, gptj")
+
+
+def _layers(sd: dict[str, torch.Tensor], pattern: str) -> int:
+    return len({m.group(1) for k in sd if (m := re.match(pattern, k))})
+
+
+def sized_config(model_type: str, sd: dict[str, torch.Tensor], heads: int | None) -> dict[str, Any]:
+    """A config dict for ``model_type`` with every size the (Hugging Face named) shapes tell."""
+    if model_type not in SIZED_TYPES:
+        raise SMPInvalidArgumentError(f"--model-type {model_type!r} cannot be sized from the shapes; allowed: "
+                                      f"{', '.join(SIZED_TYPES)} (other models: give --config FILE)")
+    if heads is None:
+        raise SMPInvalidArgumentError(f"--model-type {model_type} needs --num-attention-heads: the head count "
+                                      "is in no tensor's shape")
+    try:
+        if model_type == "gpt2":
+            vocab, hidden = sd["transformer.wte.weight"].shape
+            return {"model_type": "gpt2", "vocab_size": vocab, "n_embd": hidden, "n_head": heads,
+                    "n_positions": sd["transformer.wpe.weight"].shape[0],
+                    "n_layer": _layers(sd, r"transformer\.h\.(\d+)\."),
+                    "n_inner": sd["transformer.h.0.mlp.c_fc.weight"].shape[1]}
+        if model_type == "llama":
+            vocab, hidden = sd["model.embed_tokens.weight"].shape
+            kv_rows = sd["model.layers.0.self_attn.k_proj.weight"].shape[0]
+            head_dim = hidden // heads
+            return {"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden, "num_attention_heads": heads,
+                    "num_key_value_heads": kv_rows // head_dim,
+                    "num_hidden_layers": _layers(sd, r"model\.layers\.(\d+)\."),
+                    "intermediate_size": sd["model.layers.0.mlp.gate_proj.weight"].shape[0],
+                    "tie_word_embeddings": "lm_head.weight" not in sd}
+        vocab, hidden = sd["gpt_neox.embed_in.weight"].shape
+        return {"model_type": "gpt_neox", "vocab_size": vocab, "hidden_size": hidden, "num_attention_heads": heads,
+                "num_hidden_layers": _layers(sd, r"gpt_neox\.layers\.(\d+)\."),
+                "intermediate_size": sd["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"].shape[0]}
+    except KeyError as exc:
+        raise SMPCheckpointError(f"--model-type {model_type}: the checkpoint has no tensor {exc.args[0]!r}; is it a "
+                                 f"{model_type} model? (else give --config FILE)") from None
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as handle:
+            cfg = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise SMPInvalidArgumentError(f"--config {path}: not a readable JSON file ({exc})") from None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise SMPInvalidArgumentError(f"--config {path}: a Hugging Face config.json with a model_type is needed")
+    return cfg
+
+
+def export(layout: CheckpointLayout, out_dir: str, config_file: str | None = None, model_type: str | None = None,
+           heads: int | None = None, max_shard_size: str = "5GB") -> list[str]:
+    """Write ``out_dir`` for ``AutoModelForCausalLM.from_pretrained``; returns the files written."""
+    import transformers as tf
+
+    if (config_file is None) == (model_type is None):
+        raise SMPInvalidArgumentError("give exactly one of --config FILE and --model-type TYPE (got "
+                                      f"{'both' if config_file else 'neither'})")
+    reader = consolidate.ShardReader()
+    entries = consolidate.checked_plan(layout, reader)
+    sd = dict(consolidate.iter_tensors(entries, reader))
+    cfg = _read_config(config_file) if config_file else None
+    kind = cfg["model_type"] if cfg else model_type
+    if any(".seq_layers." in k for k in sd):
+        count = heads or (cfg or {}).get("num_attention_heads") or (cfg or {}).get("n_head")
+        sd = _translator(kind, int(count or 0))(sd)
+    if cfg is None:
+        cfg = sized_config(kind, sd, heads)
+    config = tf.AutoConfig.for_model(**cfg)
+    model = _model_class(config)(config)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or {})
+    missing = [k for k in missing if k not in tied and not _is_tied(model, k)]
+    if missing or unexpected:
+        raise SMPCheckpointError(f"{layout.directory}: the weights do not fit {type(model).__name__} of this config: "
+                                 f"missing {missing[:6]}, unexpected {unexpected[:6]}")
+    before = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size, safe_serialization=True)
+    return sorted(set(os.listdir(out_dir)) - before) or sorted(os.listdir(out_dir))
+
+
+def _is_tied(model: torch.nn.Module, key: str) -> bool:
+    """``key`` shares its tensor with another parameter (a tied head): loading the other filled it."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    target = params.get(key)
+    return target is not None and any(p is target for k, p in params.items() if k != key)
+
+
+def _model_class(config: Any) -> Any:
+    import transformers as tf
+
+    for auto in (tf.AutoModelForCausalLM, tf.AutoModelForMaskedLM, tf.AutoModel):
+        if type(config) in auto._model_mapping:
+            return auto._model_mapping[type(config)]
+    raise SMPUnsupportedError(f"no Hugging Face model class for model type {config.model_type!r}")

@@ -1,0 +1,136 @@
+"""Optimizer state of a partial checkpoint -> one state dict keyed by the model's parameter names.
+
+An unsharded smp2ds optimizer file (``optimizer_states_<pp>_<tp>.pt``: rdp rank 0's, ZeRO stage 0,
+fp32) holds PyTorch's ``optimizer.state_dict()`` of one stage and tensor-parallel rank: state by
+parameter *position*. Positions follow the stage's parameters in module order, which is the order
+of the tensors in the same stage's model file with a tied head (the input embedding stored again
+as ``lm_head.weight``) counted once. That mapping is checked, never assumed: the counts must
+match and every moment must have its parameter piece's shape, else the file is refused by name.
+Moments are then joined over tensor-parallel ranks exactly as their parameters (:mod:`.consolidate`).
+
+Sharded optimizer state (``shard_optimizer_state``, sharded data parallelism: DeepSpeed's flat
+ZeRO partitions) and 16-bit optimizer wrappers are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from smp2ds.engine.checkpoint_tools.consolidate import Entry, ShardReader, join_pieces
+from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
+from smp2ds.engine.checkpoint_tools.reading import load_weights
+from smp2ds.engine.exceptions import SMPCheckpointError, SMPUnsupportedError
+
+
+def optimizer_path(out: str) -> str:
+    """Where ``consolidate --with-optimizer`` writes the optimizer state, beside the model file ``out``."""
+    stem = out[: -len(".safetensors")] if out.endswith(".safetensors") else out
+    return f"{stem}.optimizer.pt"
+
+
+_TIED_HEADS = ("lm_head.weight", "predictions.decoder.weight")
+"""Output heads Hugging Face ties to the input embedding: one parameter, two state-dict names."""
+
+
+def parameter_names(model_file: str, reader: ShardReader) -> dict[str, list[str]]:
+    """The stage's parameters in order, each with all its names.
+
+    A tied head is one parameter, but a stage's file stores it under both names as separate
+    copies; it is recognised as a head name whose tensor equals an earlier one bit for bit (the
+    caller's count check catches anything else).
+    """
+    names: dict[str, list[str]] = {}
+    tensors = reader.tensors(model_file)
+    for key, tensor in tensors.items():
+        twin = None
+        if key.endswith(_TIED_HEADS):
+            twin = next((k for k in names if tensors[k].shape == tensor.shape and tensors[k].dtype == tensor.dtype
+                         and torch.equal(tensors[k], tensor)), None)
+        if twin is None:
+            names[key] = [key]
+        else:
+            names[twin].append(key)
+    return names
+
+
+def torch_state(file: str) -> dict[str, Any]:
+    obj = load_weights(file, mmap=False)
+    if not isinstance(obj, dict):
+        raise SMPCheckpointError(f"{file}: expected an optimizer state dict, found a {type(obj).__name__}")
+    meta = obj.get("smp2ds") if isinstance(obj.get("smp2ds"), dict) else {}
+    if int(meta.get("zero_stage", 0)) > 0 or meta.get("precision", "fp32") != "fp32":
+        raise SMPUnsupportedError(
+            f"{file}: optimizer state of ZeRO stage {meta.get('zero_stage')} with precision {meta.get('precision')!r} "
+            "cannot be consolidated; allowed: fp32 optimizer state of ZeRO stage 0 (no shard_optimizer_state, no "
+            "sharded data parallelism, no fp16/bf16)")
+    sd = obj.get("ds_optimizer", obj)
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise SMPCheckpointError(f"{file}: not an optimizer state dict (no state / param_groups)")
+    return sd
+
+
+def _named_stage(layout: CheckpointLayout, stage: int, rank: int,
+                 reader: ShardReader) -> tuple[dict, list, dict[str, list[str]]]:
+    """({name: state}, param_groups with names, {name: its aliases}) of one optimizer file."""
+    file = layout.optimizer_files[(stage, rank, None)]
+    model_file = layout.model_files[(stage, rank)]
+    sd = torch_state(file)
+    names = parameter_names(model_file, reader)
+    positions = [i for group in sd["param_groups"] for i in group["params"]]
+    if len(positions) != len(names):
+        raise SMPCheckpointError(f"{file}: holds {len(positions)} parameters but {os.path.basename(model_file)} "
+                                 f"{len(names)} tensors; cannot tell which state belongs to which parameter (a "
+                                 "model with buffers saved beside its parameters, or files of different saves)")
+    by_position = dict(zip(positions, list(names)))
+    tensors = reader.tensors(model_file)
+    state: dict[str, dict[str, Any]] = {}
+    for position, values in sd["state"].items():
+        name = by_position.get(int(position))
+        if name is None:
+            raise SMPCheckpointError(f"{file}: state for parameter position {position}, which no group lists")
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) != tuple(tensors[name].shape):
+                raise SMPCheckpointError(f"{file}: {key} of {name} has shape {list(value.shape)} but the parameter "
+                                         f"{list(tensors[name].shape)}: the state does not belong to this model file")
+        state[name] = values
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [by_position[i] for i in g["params"]]}
+              for g in sd["param_groups"]]
+    return state, groups, names
+
+
+def consolidate_optimizer(layout: CheckpointLayout, entries: list[Entry], reader: ShardReader) -> dict[str, Any]:
+    """``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}`` for the whole model."""
+    if not layout.optimizer_files:
+        raise SMPCheckpointError(f"{layout.directory}: --with-optimizer, but the checkpoint holds no optimizer state")
+    if layout.optimizer_sharded:
+        file = sorted(layout.optimizer_files.values())[0]
+        raise SMPUnsupportedError(f"{file}: optimizer state sharded over data-parallel ranks (shard_optimizer_state "
+                                  "or sharded data parallelism) cannot be consolidated yet; allowed: unsharded "
+                                  "optimizer state")
+    by_key = {e.key: e for e in entries}
+    state: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    taken: set[str] = set()
+    for stage in range(layout.pp):
+        per_rank = [_named_stage(layout, stage, rank, reader) for rank in range(layout.tp)]
+        aliases = per_rank[0][2]
+        for name, values in per_rank[0][0].items():
+            if any(a in state or a in taken for a in aliases[name]) or name not in by_key:
+                continue  # a tied parameter on a later stage: the first stage's state (the same values)
+            taken.update(aliases[name])
+            joined = {}
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) and value.dim():
+                    joined[key] = join_pieces([per_rank[r][0][name][key] for r in range(layout.tp)],
+                                              by_key[name].split)
+                else:
+                    joined[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            state[name] = joined
+        for index, group in enumerate(per_rank[0][1]):
+            if index == len(groups):
+                groups.append({**group, "params": []})
+            groups[index]["params"] += [n for n in group["params"] if n in state and n not in groups[index]["params"]]
+    return {"state": state, "param_groups": groups}

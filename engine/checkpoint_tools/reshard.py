@@ -1,0 +1,129 @@
+"""A partial checkpoint re-cut for another tensor-parallel / data-parallel layout, optimizer included.
+
+Weights are joined (:mod:`.consolidate`) and cut again for the new ``tensor_parallel_degree`` by
+the same rule that joined them; Adam's moments are cut exactly as their parameters
+(:mod:`.optimizer_state`). The result is an smp2ds partial checkpoint (``newest``,
+``<tag>_partial/`` with ``model_<pp>_<tp>.pt``, ``optimizer_states_<pp>_<tp>.pt``,
+``smp_config.pt`` with the new degrees, ``user_content.pt`` copied byte for byte, and the
+manifest, published atomically), which ``smp.resume_from_checkpoint`` loads at the new layout.
+
+Refused before anything is written, with the reason: another pipeline degree (which layers form a
+stage is decided by the model's partitioner at run time; the checkpoint does not say how to
+re-split them), optimizer state sharded over data-parallel ranks (ZeRO-1 / sharded data
+parallelism) or kept in 16 bits, a degree that does not divide a split tensor, and an output that
+already holds this tag. Memory: the full model and its optimizer state are held at once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from smp2ds.engine.checkpoint_tools import consolidate, optimizer_state
+from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
+from smp2ds.engine.checkpoint_tools.shard_rules import Split
+from smp2ds.engine.core import checkpoint_commit as commit
+from smp2ds.engine.core.checkpoint import SMP2DS_CHECKPOINT_VERSION
+from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedError
+from smp2ds.engine.tensor_parallel.shards import ShardSpec
+
+
+def cut(full: torch.Tensor, split: Split | None, size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of ``full`` out of ``size``, cut as the engine cuts it (whole when not split)."""
+    if split is None or size == 1:
+        return full.clone()
+    return ShardSpec(split.dim, size, split.blocks).local(full, rank)
+
+
+def target_rdp(tp: int, pp: int, rdp: int | None, world: int | None) -> int:
+    """The data-parallel degree from ``--rdp`` or ``--world`` (exactly one, or neither: 1)."""
+    if rdp is not None and world is not None:
+        raise SMPInvalidArgumentError(f"give --rdp or --world, not both (got --rdp {rdp} --world {world})")
+    if world is None:
+        return rdp or 1
+    if world % (tp * pp):
+        raise SMPInvalidArgumentError(f"--world {world} is not a multiple of --tp {tp} x --pp {pp}; allowed: "
+                                      f"multiples of {tp * pp}")
+    return world // (tp * pp)
+
+
+def _check(layout: CheckpointLayout, entries: list[consolidate.Entry], out: str, tp: int, pp: int) -> None:
+    if pp != layout.pp:
+        raise SMPUnsupportedError(
+            f"--pp {pp}: the checkpoint has pipeline_parallel_degree {layout.pp}; which layers form a stage is "
+            "decided by the model's partitioner at run time, so stages are not re-cut offline; allowed: "
+            f"--pp {layout.pp} (tensor- and data-parallel degrees may change)")
+    if layout.sdp > 1:
+        raise SMPUnsupportedError(f"{layout.directory}: sharded_data_parallel_degree {layout.sdp}: its optimizer "
+                                  "state is partitioned over shard groups and is not re-cut yet; allowed: "
+                                  "checkpoints without sharded data parallelism")
+    for entry in entries:
+        if entry.split is not None and entry.shape[entry.split.dim] % (entry.split.blocks * tp):
+            raise SMPInvalidArgumentError(
+                f"--tp {tp}: {entry.key} has {entry.shape[entry.split.dim]} along dimension {entry.split.dim}, "
+                f"which does not split into {entry.split.blocks} block(s) x {tp} ranks; choose a degree that "
+                "divides it")
+    if os.path.exists(os.path.join(out, f"{layout.tag}_partial")):
+        raise SMPInvalidArgumentError(f"{os.path.join(out, f'{layout.tag}_partial')} exists already; choose "
+                                      "another --out (reshard never overwrites a checkpoint)")
+
+
+def reshard(layout: CheckpointLayout, out: str, tp: int, pp: int, rdp: int = 1) -> list[str]:
+    """Write ``out/<tag>_partial`` at tp ``tp`` x pp ``pp`` x rdp ``rdp``; returns the files written."""
+    reader = consolidate.ShardReader()
+    entries = consolidate.checked_plan(layout, reader)
+    tag = layout.tag or "resharded"
+    layout.tag = tag
+    _check(layout, entries, out, tp, pp)
+    optim = optimizer_state.consolidate_optimizer(layout, entries, reader) if layout.optimizer_files else None
+    full = dict(consolidate.iter_tensors(entries, reader))
+    split = {e.key: e.split for e in entries}
+    entry = f"{tag}_partial"
+    os.makedirs(out, exist_ok=True)
+    commit.tidy(out)
+    stage_dir = commit.stage_dir(out, entry, os.urandom(8).hex())
+    os.makedirs(stage_dir)
+    records: list[commit.FileRecord] = []
+    info = {"tensor_parallel_degree": tp, "pipeline_parallel_degree": pp, "partition_info": None}
+    for stage in range(pp):
+        keys = list(reader.tensors(layout.model_files[(stage, 0)]))
+        for rank in range(tp):
+            sd: dict[str, Any] = {k: cut(full[k], split[k], tp, rank) for k in keys}
+            sd.update({"_smp_is_partial": True, "_smp_load_info": dict(info)})
+            records.append(commit.write_file(sd, stage_dir, f"model_{stage}_{rank}.pt", stage * tp + rank))
+            if optim is not None:
+                state = _stage_optimizer(layout, stage, optim, split, tp, rank, rdp, reader)
+                records.append(commit.write_file(state, stage_dir, f"optimizer_states_{stage}_{rank}.pt",
+                                                 stage * tp + rank))
+    config = {**layout.config, "tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
+              "smp_version": SMP2DS_CHECKPOINT_VERSION}
+    records.append(commit.write_file(config, stage_dir, "smp_config.pt", 0))
+    if "user_content" in layout.extras:  # copied as bytes: user content may be any pickle, never loaded here
+        shutil.copyfile(layout.extras["user_content"], os.path.join(stage_dir, "user_content.pt"))
+        file = os.path.join(stage_dir, "user_content.pt")
+        records.append(commit.FileRecord("user_content.pt", os.path.getsize(file), commit.file_digest(file), 0))
+    saved = {"world_size": tp * pp * rdp, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "rdp": rdp,
+             "optimizer_saved": optim is not None, "optimizer_sharded": False}
+    commit.seal(out, entry, stage_dir, records, saved, tag, SMP2DS_CHECKPOINT_VERSION, None)
+    return sorted(r.name for r in records)
+
+
+def _stage_optimizer(layout: CheckpointLayout, stage: int, optim: dict[str, Any], split: dict[str, Split | None],
+                     tp: int, rank: int, rdp: int, reader: consolidate.ShardReader) -> dict[str, Any]:
+    """One new rank's optimizer file: the old stage's parameter positions, each moment cut as its parameter."""
+    old = optimizer_state.torch_state(layout.optimizer_files[(stage, 0, None)])
+    names = optimizer_state.parameter_names(layout.model_files[(stage, 0)], reader)
+    positions = [i for group in old["param_groups"] for i in group["params"]]
+    state = {}
+    for position, name in zip(positions, names):
+        known = next((a for a in names[name] if a in optim["state"]), None)
+        if known is None:
+            continue  # no state yet (a parameter without gradient)
+        state[position] = {k: cut(v, split[known], tp, rank) if isinstance(v, torch.Tensor) and v.dim() else v
+                           for k, v in optim["state"][known].items()}
+    meta = {"zero_stage": 0, "precision": "fp32", "rdp_rank": 0, "rdp_size": rdp}
+    return {"ds_optimizer": {"state": state, "param_groups": old["param_groups"]}, "smp2ds": meta,
+            "_smp_is_partial": True}

@@ -1,0 +1,272 @@
+"""``smp2ds checkpoint`` on checkpoints real multi-rank runs wrote (tp 2 x pp 2, tp 2 x sdp 2).
+
+Proofs: the consolidated state dict equals the model's full ``state_dict()`` gathered at training
+time bit for bit; the exported Hugging Face directory loads with ``AutoModelForCausalLM`` and its
+logits equal a plain Hugging Face model holding that state dict (and, without pipelining, the
+trained smp2ds model's own logits); ``inspect`` reports the layout and calls the folder complete.
+``reshard`` output resumes at the new layout like one uninterrupted single process. The training
+runs happen once per module (two 4-rank launches and one 2-rank launch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from smp2ds.translator.cli import main
+from tests._dist import run_ranks
+from tests.engine import checkpoint_tools_workers as cw
+from tests.engine import tp_sdp_workers as sdpw
+from tests.engine import tp_workers as tw
+
+PP_CONFIG = {"ddp": True, "tensor_parallel_degree": 2, "pipeline_parallel_degree": 2, "microbatches": 2}
+PP_MODELS = ("gpt2", "llama", "gpt_neox")
+SDP_MODELS = ("gpt2", "gpt2_replaced")
+TP_CONFIG = {"ddp": True, "tensor_parallel_degree": 2}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """{layout: (root folder, {model: rank 0's results})}: both runs, trained and saved once."""
+    out = {}
+    for layout, world, config, models in (("pp2-tp2", 4, PP_CONFIG, PP_MODELS), ("tp2-sdp2", 4, sdpw.CONFIG, SDP_MODELS),
+                                          ("tp2", 2, TP_CONFIG, ("gpt2",))):
+        root = str(tmp_path_factory.mktemp(layout))
+        phases = [{"name": m, "model": m, "seed": 40 + i} for i, m in enumerate(models)]
+        per_rank = run_ranks(cw.train_and_save, world, config, phases, root)
+        rank0 = [{k: _torch(v) for k, v in r.items()} for r in per_rank[0]]
+        out[layout] = (root, dict(zip(models, rank0)))
+    return out
+
+
+def _torch(value: object) -> object:
+    """The workers send numpy arrays (fp32 here): back to tensors, dicts of them likewise."""
+    if isinstance(value, dict):
+        return {k: torch.from_numpy(v) for k, v in value.items()}
+    return torch.from_numpy(value)
+
+
+CASES = [("pp2-tp2", m) for m in PP_MODELS] + [("tp2-sdp2", m) for m in SDP_MODELS]
+
+
+def _hf_reference(model: str, seed: int) -> torch.nn.Module:
+    return cw.trw.hf_gpt2(seed) if model == "gpt2_replaced" else tw.hf_model(model, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,model", CASES)
+def test_consolidated_state_dict_is_bit_identical_to_the_gathered_one(runs, tmp_path, layout, model):
+    from safetensors.torch import load_file
+
+    root, results = runs[layout]
+    out = str(tmp_path / "full.safetensors")
+    assert main(["checkpoint", "consolidate", os.path.join(root, model), "--out", out, "--quiet"]) == 0
+    got, want = load_file(out), results[model]["state_dict"]
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+@pytest.mark.slow
+def test_consolidate_pt_format_and_an_older_tag(runs, tmp_path):
+    root, results = runs["pp2-tp2"]
+    out = str(tmp_path / "full.pt")
+    assert main(["checkpoint", "consolidate", os.path.join(root, "gpt2"), "--out", out, "--format", "pt",
+                 "--quiet"]) == 0
+    got = torch.load(out, weights_only=True)
+    assert all(torch.equal(got[k], v) for k, v in results["gpt2"]["state_dict"].items())
+    older = str(tmp_path / "step1.safetensors")
+    assert main(["checkpoint", "consolidate", os.path.join(root, "gpt2"), "--tag", "step1", "--out", older,
+                 "--quiet"]) == 0
+    from safetensors.torch import load_file
+
+    step1 = load_file(older)
+    assert sorted(step1) == sorted(got)
+    assert any(not torch.equal(step1[k], got[k]) for k in got)  # one more step moved the weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,model", CASES)
+def test_inspect_reports_the_layout_and_a_complete_folder(runs, capsys, layout, model):
+    root, results = runs[layout]
+    assert main(["checkpoint", "inspect", os.path.join(root, model), "--format", "json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    sd = results[model]["state_dict"]
+    assert rep["complete"] and rep["problems"] == []
+    assert rep["tag"] == "step2" and rep["newest"] == "step2_partial"
+    assert rep["checkpoints"] == ["step1_partial", "step2_partial"]
+    pp = 2 if layout == "pp2-tp2" else 1
+    assert rep["layout"]["pipeline_parallel_degree"] == pp and rep["layout"]["tensor_parallel_degree"] == 2
+    assert rep["layout"]["world_size"] == 4
+    assert rep["layout"]["sharded_data_parallel_degree"] == (2 if layout == "tp2-sdp2" else 1)
+    assert len(rep["model_files"]) == pp * 2
+    assert rep["parameters"] == sum(v.numel() for v in sd.values()) and rep["tensors"] == len(sd)
+    assert rep["dtypes"] == {"float32": len(sd)}
+    assert rep["optimizer_state"] and rep["user_content"] and rep["manifest"]
+    assert main(["checkpoint", "inspect", os.path.join(root, model)]) == 0
+    text = capsys.readouterr().out
+    assert f"pp {pp} x tp 2" in text and "complete" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,model", CASES)
+def test_exported_hf_directory_gives_the_trained_models_logits(runs, tmp_path, layout, model):
+    import transformers as tf
+
+    root, results = runs[layout]
+    seed = 40 + (PP_MODELS if layout == "pp2-tp2" else SDP_MODELS).index(model)
+    config = tmp_path / "config.json"
+    reference = _hf_reference(model, seed)
+    reference.config.to_json_file(str(config))
+    out = tmp_path / "hf"
+    assert main(["checkpoint", "export", os.path.join(root, model), "--to", "hf", str(out), "--config",
+                 str(config), "--quiet"]) == 0
+    assert (out / "config.json").is_file() and any(f.endswith(".safetensors") for f in os.listdir(out))
+    exported = tf.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
+    with torch.no_grad():
+        got = exported(input_ids=cw.PROBE, use_cache=False).logits
+    if model != "gpt2_replaced":  # names are Hugging Face's already: the gathered state dict loads as it is
+        reference.load_state_dict(results[model]["state_dict"], strict=True)
+        with torch.no_grad():
+            assert torch.equal(got, reference.eval()(input_ids=cw.PROBE, use_cache=False).logits)
+    if "logits" in results[model]:  # no pipelining: the smp2ds model itself ran the probe
+        torch.testing.assert_close(got, results[model]["logits"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_export_sizes_the_config_from_the_shapes(runs, tmp_path):
+    import transformers as tf
+
+    root, results = runs["pp2-tp2"]
+    out = tmp_path / "hf"
+    assert main(["checkpoint", "export", os.path.join(root, "llama"), "--to", "hf", str(out), "--model-type", "llama",
+                 "--num-attention-heads", "4", "--quiet"]) == 0
+    exported = tf.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
+    reference = tw.hf_model("llama", 41)
+    reference.load_state_dict(results["llama"]["state_dict"], strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=cw.PROBE).logits, reference.eval()(input_ids=cw.PROBE).logits,
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_files_of_two_saves_mixed_in_one_folder_are_named(runs, tmp_path, capsys):
+    import shutil
+
+    root, results = runs["pp2-tp2"]
+    mixed = tmp_path / "gpt2"
+    shutil.copytree(os.path.join(root, "gpt2"), mixed)
+    shutil.copyfile(mixed / "step1_partial" / "model_1_0.pt", mixed / "step2_partial" / "model_1_0.pt")
+    assert main(["checkpoint", "inspect", str(mixed), "--format", "json"]) == 1
+    captured = capsys.readouterr()
+    rep = json.loads(captured.out)
+    assert [os.path.basename(p["file"]) for p in rep["problems"]] == ["model_1_0.pt"], rep["problems"]
+    assert rep["parameters"] < sum(v.numel() for v in results["gpt2"]["state_dict"].values())  # stage 1 unread
+    assert "tags mixed" in rep["problems"][0]["message"] and "Traceback" not in captured.err
+    assert main(["checkpoint", "consolidate", str(mixed), "--out", str(tmp_path / "x.safetensors"), "--quiet"]) == 1
+    assert "model_1_0.pt" in capsys.readouterr().err
+    assert main(["checkpoint", "inspect", str(mixed), "--tag", "step1", "--format", "json"]) == 0  # untouched
+
+
+def _reference_adamw_state(model: str, seed: int, dp: int, b: int = 2, steps: int = 2) -> tuple[dict, dict]:
+    """Single-process AdamW on the union of the data-parallel ranks' rows (the workers' data and
+    loss: the mean of the ranks' mean losses): (optimizer state by parameter name, weights)."""
+    net = _hf_reference(model, seed)
+    opt = tw.make_optimizer("adamw", net.parameters())
+    vocab = min(tw.VOCAB, cw.trw.VOCAB)
+    for step in range(steps):
+        ids = tw.global_ids(step, dp * b) % vocab
+        losses = [net(input_ids=ids[r * b:(r + 1) * b], labels=ids[r * b:(r + 1) * b], use_cache=False).loss
+                  for r in range(dp)]
+        torch.stack(losses).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    names = {id(p): n for n, p in net.named_parameters()}
+    return {names[id(p)]: s for p, s in opt.state.items()}, net.state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", PP_MODELS)
+def test_consolidated_optimizer_state_equals_single_process_adamw(runs, tmp_path, capsys, model):
+    from tests.engine import test_tensor_parallel_dist as tpd
+
+    root, results = runs["pp2-tp2"]
+    out = str(tmp_path / "full.safetensors")
+    assert main(["checkpoint", "consolidate", os.path.join(root, model), "--out", out, "--with-optimizer"]) == 0
+    assert "optimizer state of" in capsys.readouterr().err
+    got = torch.load(str(tmp_path / "full.optimizer.pt"), weights_only=True)
+    want, weights = _reference_adamw_state(model, 40 + PP_MODELS.index(model), dp=2)
+    for key, value in weights.items():  # the run trained like the reference: the moments can be compared
+        tpd._close(results[model]["state_dict"][key], value, key, tpd.ADAMW_ATOL)
+    assert sorted(got["state"]) == sorted(want)  # GPT-2's tied head: its state once, under the embedding's name
+    assert [sorted(g["params"]) for g in got["param_groups"]] == [sorted(want)]
+    assert got["param_groups"][0]["lr"] == 0.01 and got["param_groups"][0]["weight_decay"] == 0.01
+    for name, state in want.items():
+        assert int(got["state"][name]["step"]) == int(state["step"]) == 2
+        for moment in ("exp_avg", "exp_avg_sq"):
+            tpd._close(got["state"][name][moment], state[moment], f"{name} {moment}", 1e-6)
+
+
+@pytest.mark.slow
+def test_sharded_optimizer_state_is_refused_before_anything_is_written(runs, tmp_path, capsys):
+    root, _ = runs["tp2-sdp2"]
+    out = tmp_path / "full.safetensors"
+    assert main(["checkpoint", "consolidate", os.path.join(root, "gpt2"), "--out", str(out), "--with-optimizer"]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer_states_0_0_0.pt" in err and "sharded" in err and "allowed: unsharded" in err
+    assert not os.listdir(tmp_path)
+
+
+RESHARDS = {
+    # id: (trained layout, reshard flags, the new layout's config, per-rank rows b, {inspect's layout})
+    "tp2xpp2-to-tp1xpp2xrdp2": ("pp2-tp2", ["--tp", "1", "--pp", "2", "--world", "4"],
+                                {**PP_CONFIG, "tensor_parallel_degree": 1}, 2,
+                                {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 1, "rdp": 2}),
+    "tp2-to-tp4": ("tp2", ["--tp", "4", "--pp", "1"], {**TP_CONFIG, "tensor_parallel_degree": 4}, 1,
+                   {"pipeline_parallel_degree": 1, "tensor_parallel_degree": 4, "rdp": 1}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(RESHARDS))
+def test_reshard_resumes_like_one_uninterrupted_process(runs, tmp_path, capsys, case):
+    """2 AdamW steps at layout A, reshard, 2 more at layout B (a fresh model with other weights
+    resumes; the same 4 rows per step): the weights equal 4 single-process steps on the same data."""
+    from tests.engine import test_tensor_parallel_dist as tpd
+
+    trained, flags, config, b, expected = RESHARDS[case]
+    root, _ = runs[trained]
+    out = str(tmp_path / "resharded")
+    assert main(["checkpoint", "reshard", os.path.join(root, "gpt2"), "--out", out, *flags]) == 0
+    capsys.readouterr()
+    assert main(["checkpoint", "inspect", out, "--format", "json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert {k: rep["layout"][k] for k in expected} == expected and rep["complete"]
+    world = config["tensor_parallel_degree"] * config.get("pipeline_parallel_degree", 1) * expected["rdp"]
+    per_rank = run_ranks(cw.resume_and_train, world, config, {"model": "gpt2", "seed": 40, "start": 2, "steps": 2},
+                         out, b)
+    assert per_rank[0]["dp"] * b == 4 and per_rank[0]["user_content"] == {"step": 2}
+    _, weights = _reference_adamw_state("gpt2", 40, dp=2, steps=4)
+    got = _torch(per_rank[0]["state_dict"])
+    assert sorted(got) == sorted(weights)
+    for key, value in weights.items():
+        tpd._close(got[key], value, key, tpd.ADAMW_ATOL)
+
+
+@pytest.mark.slow
+def test_reshard_refuses_what_it_cannot_recut_before_writing(runs, tmp_path, capsys):
+    pp_root, sdp_root = runs["pp2-tp2"][0], runs["tp2-sdp2"][0]
+    out = tmp_path / "out"
+    cases = [
+        ([os.path.join(pp_root, "gpt2"), "--tp", "2", "--pp", "1"], "allowed: --pp 2"),
+        ([os.path.join(pp_root, "gpt2"), "--tp", "3", "--pp", "2"], "--tp 3: transformer.h.0.attn.c_attn.weight"),
+        ([os.path.join(pp_root, "gpt2"), "--tp", "2", "--pp", "2", "--world", "6"], "--world 6 is not a multiple"),
+        ([os.path.join(sdp_root, "gpt2"), "--tp", "2", "--pp", "1", "--rdp", "4"], "sharded_data_parallel_degree 2"),
+    ]
+    for argv, message in cases:
+        assert main(["checkpoint", "reshard", *argv, "--out", str(out)]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+        assert not out.exists()
