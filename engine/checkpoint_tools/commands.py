@@ -93,12 +93,12 @@ def export(path: str, to: str, out_dir: str, tag: str | None, config: str | None
 
 
 def reshard(path: str, out: str, tag: str | None, tp: int, pp: int, rdp: int | None, world: int | None,
-            quiet: bool, err: TextIO | None = None) -> int:
+            quiet: bool, err: TextIO | None = None, sdp: int | None = None) -> int:
     ranks = resharding.target_rdp(tp, pp, rdp, world)
     found = layout.find(path, tag)
 
     def work() -> str:
-        files = resharding.reshard(found, out, tp, pp, ranks)
+        files = resharding.reshard(found, out, tp, pp, ranks, sdp)
         return f"wrote {out} for tp {tp} x pp {pp} x rdp {ranks} ({tp * pp * ranks} ranks): {', '.join(files)}"
 
     return _report("reshard", work, quiet, err)

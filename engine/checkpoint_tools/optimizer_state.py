@@ -8,17 +8,21 @@ as ``lm_head.weight``) counted once. That mapping is checked, never assumed: the
 match and every moment must have its parameter piece's shape, else the file is refused by name.
 Moments are then joined over tensor-parallel ranks exactly as their parameters (:mod:`.consolidate`).
 
-Sharded optimizer state (``shard_optimizer_state``, sharded data parallelism: DeepSpeed's flat
-ZeRO partitions) and 16-bit optimizer wrappers are refused with the reason.
+Optimizer state sharded over data-parallel ranks (``optimizer_states_<pp>_<tp>_<rdp>.pt``:
+DeepSpeed's flat partitions) is cut back into the same per-parameter state: sharded data
+parallelism (ZeRO-3) by :mod:`.zero_partitions`, ``shard_optimizer_state`` (ZeRO-1) by
+:mod:`.zero1_partitions`. 16-bit optimizer wrappers are refused with the reason.
 """
 
 from __future__ import annotations
 
 import os
+from types import ModuleType
 from typing import Any
 
 import torch
 
+from smp2ds.engine.checkpoint_tools import zero1_partitions, zero_partitions
 from smp2ds.engine.checkpoint_tools.consolidate import Entry, ShardReader, join_pieces
 from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
 from smp2ds.engine.checkpoint_tools.reading import load_weights
@@ -57,7 +61,7 @@ def parameter_names(model_file: str, reader: ShardReader) -> dict[str, list[str]
 
 
 def torch_state(file: str) -> dict[str, Any]:
-    obj = load_weights(file, mmap=False)
+    obj = load_weights(file, mmap=False, deepspeed_state=True)
     if not isinstance(obj, dict):
         raise SMPCheckpointError(f"{file}: expected an optimizer state dict, found a {type(obj).__name__}")
     meta = obj.get("smp2ds") if isinstance(obj.get("smp2ds"), dict) else {}
@@ -101,21 +105,40 @@ def _named_stage(layout: CheckpointLayout, stage: int, rank: int,
     return state, groups, names
 
 
+def partitioning(layout: CheckpointLayout) -> tuple[ModuleType, int]:
+    """(the module that reads and writes the checkpoint's sharded optimizer files, how many ranks
+    one set of partitions spans): ZeRO-3 over the shard group with sharded data parallelism, else
+    ZeRO-1 over the rdp group."""
+    return (zero_partitions, layout.sdp) if layout.sdp > 1 else (zero1_partitions, layout.rdp or 1)
+
+
+def shard_files(layout: CheckpointLayout, stage: int, rank: int) -> list[str]:
+    """The optimizer files of one set of partitions (rdp ranks ``0 ..``), by partition index."""
+    return [layout.optimizer_files[(stage, rank, r)] for r in range(partitioning(layout)[1])]
+
+
+def _sharded_stage(layout: CheckpointLayout, stage: int, rank: int,
+                   reader: ShardReader) -> tuple[dict, list, dict[str, list[str]]]:
+    """:func:`_named_stage` for DeepSpeed's flat partitions (ZeRO-3 or ZeRO-1, :func:`partitioning`)."""
+    kind, count = partitioning(layout)
+    files = shard_files(layout, stage, rank)
+    names = parameter_names(layout.model_files[(stage, rank)], reader)
+    state = kind.unflatten(files, reader.tensors(layout.model_files[(stage, rank)]), list(names))
+    groups = [{**kind.hyperparameters(files[0], count), "params": list(names)}]
+    return state, groups, names
+
+
 def consolidate_optimizer(layout: CheckpointLayout, entries: list[Entry], reader: ShardReader) -> dict[str, Any]:
     """``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}`` for the whole model."""
     if not layout.optimizer_files:
         raise SMPCheckpointError(f"{layout.directory}: --with-optimizer, but the checkpoint holds no optimizer state")
-    if layout.optimizer_sharded:
-        file = sorted(layout.optimizer_files.values())[0]
-        raise SMPUnsupportedError(f"{file}: optimizer state sharded over data-parallel ranks (shard_optimizer_state "
-                                  "or sharded data parallelism) cannot be consolidated yet; allowed: unsharded "
-                                  "optimizer state")
     by_key = {e.key: e for e in entries}
     state: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     taken: set[str] = set()
     for stage in range(layout.pp):
-        per_rank = [_named_stage(layout, stage, rank, reader) for rank in range(layout.tp)]
+        named = _sharded_stage if layout.optimizer_sharded else _named_stage
+        per_rank = [named(layout, stage, rank, reader) for rank in range(layout.tp)]
         aliases = per_rank[0][2]
         for name, values in per_rank[0][0].items():
             if any(a in state or a in taken for a in aliases[name]) or name not in by_key:

@@ -9,9 +9,16 @@ manifest, published atomically), which ``smp.resume_from_checkpoint`` loads at t
 
 Refused before anything is written, with the reason: another pipeline degree (which layers form a
 stage is decided by the model's partitioner at run time; the checkpoint does not say how to
-re-split them), optimizer state sharded over data-parallel ranks (ZeRO-1 / sharded data
-parallelism) or kept in 16 bits, a degree that does not divide a split tensor, and an output that
-already holds this tag. Memory: the full model and its optimizer state are held at once.
+re-split them), 16-bit optimizer state, a degree that does not divide a split tensor, and an output
+that already holds this tag.
+
+Sharded optimizer state is written as it was saved: ZeRO-1 (``shard_optimizer_state``) partitions
+re-cut for the new rdp (:mod:`.zero1_partitions`); a checkpoint of a sharded data-parallel run for
+another ``sharded_data_parallel_degree`` (``--sdp``, default the saved one), each new rdp rank
+holding the ZeRO-3 partition of its shard rank (:mod:`.zero_partitions`). Going from or to no
+sharded data parallelism is refused (the ZeRO-3 files carry DeepSpeed's loss-scaler
+state, which an unsharded checkpoint does not have). Memory: the full model and its optimizer
+state are held at once.
 """
 
 from __future__ import annotations
@@ -50,16 +57,26 @@ def target_rdp(tp: int, pp: int, rdp: int | None, world: int | None) -> int:
     return world // (tp * pp)
 
 
+def target_sdp(layout: CheckpointLayout, sdp: int | None, rdp: int) -> int:
+    """The new ``sharded_data_parallel_degree`` (default: the saved one), refused unless it can be written."""
+    new = layout.sdp if sdp is None else sdp
+    if (new > 1) != (layout.sdp > 1):
+        raise SMPUnsupportedError(
+            f"--sdp {new}: the checkpoint has sharded_data_parallel_degree {layout.sdp}; reshard keeps sharded data "
+            "parallelism on or off (ZeRO-3 files carry DeepSpeed state an unsharded checkpoint lacks); allowed: "
+            + ("--sdp 1" if layout.sdp == 1 else "--sdp values above 1 that divide the new rdp"))
+    if rdp % new:
+        raise SMPInvalidArgumentError(f"--sdp {new} does not divide the new reduced data-parallel degree {rdp}; "
+                                      f"allowed: {[s for s in range(2, rdp + 1) if rdp % s == 0] or 'none'}")
+    return new
+
+
 def _check(layout: CheckpointLayout, entries: list[consolidate.Entry], out: str, tp: int, pp: int) -> None:
     if pp != layout.pp:
         raise SMPUnsupportedError(
             f"--pp {pp}: the checkpoint has pipeline_parallel_degree {layout.pp}; which layers form a stage is "
             "decided by the model's partitioner at run time, so stages are not re-cut offline; allowed: "
             f"--pp {layout.pp} (tensor- and data-parallel degrees may change)")
-    if layout.sdp > 1:
-        raise SMPUnsupportedError(f"{layout.directory}: sharded_data_parallel_degree {layout.sdp}: its optimizer "
-                                  "state is partitioned over shard groups and is not re-cut yet; allowed: "
-                                  "checkpoints without sharded data parallelism")
     for entry in entries:
         if entry.split is not None and entry.shape[entry.split.dim] % (entry.split.blocks * tp):
             raise SMPInvalidArgumentError(
@@ -71,12 +88,14 @@ def _check(layout: CheckpointLayout, entries: list[consolidate.Entry], out: str,
                                       "another --out (reshard never overwrites a checkpoint)")
 
 
-def reshard(layout: CheckpointLayout, out: str, tp: int, pp: int, rdp: int = 1) -> list[str]:
-    """Write ``out/<tag>_partial`` at tp ``tp`` x pp ``pp`` x rdp ``rdp``; returns the files written."""
+def reshard(layout: CheckpointLayout, out: str, tp: int, pp: int, rdp: int = 1, sdp: int | None = None) -> list[str]:
+    """Write ``out/<tag>_partial`` at tp ``tp`` x pp ``pp`` x rdp ``rdp`` (sharded data parallelism
+    ``sdp``, default the saved degree); returns the files written."""
     reader = consolidate.ShardReader()
     entries = consolidate.checked_plan(layout, reader)
     tag = layout.tag or "resharded"
     layout.tag = tag
+    sdp = target_sdp(layout, sdp, rdp)
     _check(layout, entries, out, tp, pp)
     optim = optimizer_state.consolidate_optimizer(layout, entries, reader) if layout.optimizer_files else None
     full = dict(consolidate.iter_tensors(entries, reader))
@@ -94,19 +113,21 @@ def reshard(layout: CheckpointLayout, out: str, tp: int, pp: int, rdp: int = 1) 
             sd: dict[str, Any] = {k: cut(full[k], split[k], tp, rank) for k in keys}
             sd.update({"_smp_is_partial": True, "_smp_load_info": dict(info)})
             records.append(commit.write_file(sd, stage_dir, f"model_{stage}_{rank}.pt", stage * tp + rank))
-            if optim is not None:
+            if optim is not None and layout.optimizer_sharded:
+                records += _write_shards(layout, stage, optim, full, split, (tp, rank), (rdp, sdp), reader, stage_dir)
+            elif optim is not None:
                 state = _stage_optimizer(layout, stage, optim, split, tp, rank, rdp, reader)
                 records.append(commit.write_file(state, stage_dir, f"optimizer_states_{stage}_{rank}.pt",
                                                  stage * tp + rank))
     config = {**layout.config, "tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
-              "smp_version": SMP2DS_CHECKPOINT_VERSION}
+              "sharded_data_parallel_degree": sdp, "smp_version": SMP2DS_CHECKPOINT_VERSION}
     records.append(commit.write_file(config, stage_dir, "smp_config.pt", 0))
     if "user_content" in layout.extras:  # copied as bytes: user content may be any pickle, never loaded here
         shutil.copyfile(layout.extras["user_content"], os.path.join(stage_dir, "user_content.pt"))
         file = os.path.join(stage_dir, "user_content.pt")
         records.append(commit.FileRecord("user_content.pt", os.path.getsize(file), commit.file_digest(file), 0))
     saved = {"world_size": tp * pp * rdp, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "rdp": rdp,
-             "optimizer_saved": optim is not None, "optimizer_sharded": False}
+             "optimizer_saved": optim is not None, "optimizer_sharded": optim is not None and layout.optimizer_sharded}
     commit.seal(out, entry, stage_dir, records, saved, tag, SMP2DS_CHECKPOINT_VERSION, None)
     return sorted(r.name for r in records)
 
@@ -127,3 +148,32 @@ def _stage_optimizer(layout: CheckpointLayout, stage: int, optim: dict[str, Any]
     meta = {"zero_stage": 0, "precision": "fp32", "rdp_rank": 0, "rdp_size": rdp}
     return {"ds_optimizer": {"state": state, "param_groups": old["param_groups"]}, "smp2ds": meta,
             "_smp_is_partial": True}
+
+
+def _write_shards(layout: CheckpointLayout, stage: int, optim: dict[str, Any], full: dict[str, torch.Tensor],
+                  split: dict[str, Split | None], tp: tuple[int, int], ranks: tuple[int, int],
+                  reader: consolidate.ShardReader, stage_dir: str) -> list[commit.FileRecord]:
+    """One new tp rank's sharded files, ``optimizer_states_<stage>_<tp>_<rdp>.pt`` for every rdp rank:
+    ZeRO-3 with sharded data parallelism (rank ``r`` holds shard ``r % sdp``), else ZeRO-1 (rank ``r``
+    holds partition ``r`` of rdp), as the checkpoint had; weights and moments cut as their
+    parameters, then flattened."""
+    (size, rank), (rdp, sdp) = tp, ranks
+    kind, old_count = optimizer_state.partitioning(layout)
+    count, zero_stage = (sdp, 3) if sdp > 1 else (rdp, 1)
+    names = list(optimizer_state.parameter_names(layout.model_files[(stage, 0)], reader))
+    missing = [n for n in names if n not in optim["state"]]
+    if missing:
+        raise SMPInvalidArgumentError(f"{layout.directory}: no optimizer state for {', '.join(missing)}; DeepSpeed "
+                                      "keeps state for every parameter, so these files are not of one save")
+    weights = [cut(full[n], split[n], size, rank) for n in names]
+    states = [{k: cut(v, split[n], size, rank) if isinstance(v, torch.Tensor) and v.dim() else v
+               for k, v in optim["state"][n].items()} for n in names]
+    template = kind.read(optimizer_state.shard_files(layout, stage, 0)[0], old_count)
+    shards = [kind.partition_state(template, names, weights, states, count, s) for s in range(count)]
+    records = []
+    for r in range(rdp):
+        meta = {"zero_stage": zero_stage, "precision": "fp32", "rdp_rank": r, "rdp_size": rdp}
+        body = {"ds_optimizer": shards[r % count], "smp2ds": meta, "_smp_is_partial": True}
+        records.append(commit.write_file(body, stage_dir, f"optimizer_states_{stage}_{rank}_{r}.pt",
+                                         (stage * size + rank) * rdp + r))
+    return records

@@ -199,3 +199,44 @@ def test_the_trainer_layout_of_an_smp_run_is_read(ckpt, capsys, tmp_path):
     rc, _ = _consolidate(capsys, str(trainer), str(tmp_path / "f.safetensors"))
     got = load_file(str(tmp_path / "f.safetensors"))
     assert rc == 0 and all(torch.equal(got[k], v) for k, v in full.items())
+
+
+_SHAPES = {"a": (7,), "b": (5, 3), "c": (1,), "d": (2, 2)}
+"""Parameter sizes no shard count divides: ZeRO-3 pads each, ZeRO-1 cuts across them and pads the end."""
+
+
+@pytest.mark.parametrize("stage,count", [(3, 3), (3, 4), (1, 3), (1, 4)])
+def test_flat_optimizer_partitions_round_trip_with_padding(tmp_path, stage, count):
+    """What reshard writes for each rank, consolidate cuts back into the same per-parameter state;
+    files of the wrong ranks (swapped) are refused, since their master weights no longer fit."""
+    from smp2ds.engine.checkpoint_tools import zero1_partitions, zero_partitions
+
+    kind = zero_partitions if stage == 3 else zero1_partitions
+    g = torch.Generator().manual_seed(0)
+    weights = {n: torch.randn(s, generator=g) for n, s in _SHAPES.items()}
+    states = [{"step": torch.tensor(3.0), "exp_avg": torch.randn(s, generator=g), "exp_avg_sq": torch.rand(s, generator=g)}
+              for s in _SHAPES.values()]
+    group = {"param_groups": [{"lr": 0.5, "params": [0]}], "state": {}}
+    template = ({"partition_count": count, kind.INNER: group, kind.MASTER: []} if stage == 3 else
+                {kind.BASE: group, kind.MASTER: [], kind.MAPPINGS: [{}], "partition_count": [count]})
+    names = list(_SHAPES)
+    files = []
+    for rank in range(count):
+        body = kind.partition_state(template, names, list(weights.values()), states, count, rank)
+        files.append(str(tmp_path / f"optimizer_states_0_0_{rank}.pt"))
+        torch.save({"ds_optimizer": body, "smp2ds": {"zero_stage": stage, "precision": "fp32"}}, files[-1])
+    total = sum(w.numel() for w in weights.values())
+    masters = [kind.read(f, count)[kind.MASTER][0].numel() for f in files]
+    if stage == 3:
+        assert masters == [sum(-(-w.numel() // count) for w in weights.values())] * count
+    else:
+        assert sum(masters) == total and len(set(masters[:-1])) == 1 and masters[-1] <= masters[0]
+    got = kind.unflatten(files, weights, names)
+    assert list(got) == names and kind.hyperparameters(files[0], count) == {"lr": 0.5}
+    for name, want in zip(names, states):
+        assert int(got[name]["step"]) == 3
+        assert all(torch.equal(got[name][k], want[k]) for k in ("exp_avg", "exp_avg_sq")), name
+    from smp2ds.engine.exceptions import SMPCheckpointError
+
+    with pytest.raises(SMPCheckpointError, match="differ from the model file's"):
+        kind.unflatten([files[1], files[0], *files[2:]], weights, names)

@@ -1,11 +1,13 @@
-"""``smp2ds checkpoint`` on checkpoints real multi-rank runs wrote (tp 2 x pp 2, tp 2 x sdp 2).
+"""``smp2ds checkpoint`` on checkpoints real multi-rank runs wrote (tp 2 x pp 2, tp 2 x sdp 2, tp 2, ZeRO-1 rdp 2).
 
 Proofs: the consolidated state dict equals the model's full ``state_dict()`` gathered at training
 time bit for bit; the exported Hugging Face directory loads with ``AutoModelForCausalLM`` and its
 logits equal a plain Hugging Face model holding that state dict (and, without pipelining, the
 trained smp2ds model's own logits); ``inspect`` reports the layout and calls the folder complete.
 ``reshard`` output resumes at the new layout like one uninterrupted single process. The training
-runs happen once per module (two 4-rank launches and one 2-rank launch).
+runs happen once per module (two 4-rank launches and two 2-rank launches). Optimizer state sharded over
+data-parallel ranks (ZeRO-3 of sharded data parallelism, ZeRO-1 of ``shard_optimizer_state``) is
+consolidated and re-cut like the unsharded kind, with the same proofs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ PP_CONFIG = {"ddp": True, "tensor_parallel_degree": 2, "pipeline_parallel_degree
 PP_MODELS = ("gpt2", "llama", "gpt_neox")
 SDP_MODELS = ("gpt2", "gpt2_replaced")
 TP_CONFIG = {"ddp": True, "tensor_parallel_degree": 2}
+ZERO1_CONFIG = {"ddp": True, "shard_optimizer_state": True}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """{layout: (root folder, {model: rank 0's results})}: both runs, trained and saved once."""
     out = {}
     for layout, world, config, models in (("pp2-tp2", 4, PP_CONFIG, PP_MODELS), ("tp2-sdp2", 4, sdpw.CONFIG, SDP_MODELS),
-                                          ("tp2", 2, TP_CONFIG, ("gpt2",))):
+                                          ("tp2", 2, TP_CONFIG, ("gpt2",)), ("zero1-rdp2", 2, ZERO1_CONFIG, ("gpt2",))):
         root = str(tmp_path_factory.mktemp(layout))
         phases = [{"name": m, "model": m, "seed": 40 + i} for i, m in enumerate(models)]
         per_rank = run_ranks(cw.train_and_save, world, config, phases, root)
@@ -171,9 +174,11 @@ def test_files_of_two_saves_mixed_in_one_folder_are_named(runs, tmp_path, capsys
     assert main(["checkpoint", "inspect", str(mixed), "--tag", "step1", "--format", "json"]) == 0  # untouched
 
 
-def _reference_adamw_state(model: str, seed: int, dp: int, b: int = 2, steps: int = 2) -> tuple[dict, dict]:
+def _reference_adamw_state(model: str, seed: int, dp: int, b: int = 2, steps: int = 2,
+                           clip: float | None = None) -> tuple[dict, dict]:
     """Single-process AdamW on the union of the data-parallel ranks' rows (the workers' data and
-    loss: the mean of the ranks' mean losses): (optimizer state by parameter name, weights)."""
+    loss: the mean of the ranks' mean losses), gradients clipped to norm ``clip`` when given (as
+    ``sdp_gradient_clipping``): (optimizer state by parameter name, weights)."""
     net = _hf_reference(model, seed)
     opt = tw.make_optimizer("adamw", net.parameters())
     vocab = min(tw.VOCAB, cw.trw.VOCAB)
@@ -182,6 +187,8 @@ def _reference_adamw_state(model: str, seed: int, dp: int, b: int = 2, steps: in
         losses = [net(input_ids=ids[r * b:(r + 1) * b], labels=ids[r * b:(r + 1) * b], use_cache=False).loss
                   for r in range(dp)]
         torch.stack(losses).mean().backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
         opt.zero_grad()
     names = {id(p): n for n, p in net.named_parameters()}
@@ -211,13 +218,79 @@ def test_consolidated_optimizer_state_equals_single_process_adamw(runs, tmp_path
 
 
 @pytest.mark.slow
-def test_sharded_optimizer_state_is_refused_before_anything_is_written(runs, tmp_path, capsys):
-    root, _ = runs["tp2-sdp2"]
-    out = tmp_path / "full.safetensors"
-    assert main(["checkpoint", "consolidate", os.path.join(root, "gpt2"), "--out", str(out), "--with-optimizer"]) == 2
+@pytest.mark.parametrize("layout,clip", [("tp2-sdp2", sdpw.CLIP), ("zero1-rdp2", None)])
+def test_consolidated_sharded_optimizer_state_equals_single_process_adamw(runs, tmp_path, layout, clip):
+    """tp 2 x sdp 2 (each rank's ZeRO-3 flat partition cut back into per-parameter moments, joined
+    over tp) and ZeRO-1 over rdp 2 (one flat buffer cut across parameters): the moments equal
+    single-process AdamW (clipped like sdp_gradient_clipping) on the same rows."""
+    from tests.engine import test_tensor_parallel_dist as tpd
+
+    root, results = runs[layout]
+    out = str(tmp_path / "full.safetensors")
+    assert main(["checkpoint", "consolidate", os.path.join(root, "gpt2"), "--out", out, "--with-optimizer",
+                 "--quiet"]) == 0
+    got = torch.load(str(tmp_path / "full.optimizer.pt"), weights_only=True)
+    want, weights = _reference_adamw_state("gpt2", 40, dp=2, clip=clip)
+    for key, value in weights.items():
+        tpd._close(results["gpt2"]["state_dict"][key], value, key, tpd.ADAMW_ATOL)
+    assert sorted(got["state"]) == sorted(want) and [sorted(g["params"]) for g in got["param_groups"]] == [sorted(want)]
+    assert got["param_groups"][0]["lr"] == 0.01
+    for name, state in want.items():
+        assert int(got["state"][name]["step"]) == 2
+        for moment in ("exp_avg", "exp_avg_sq"):
+            tpd._close(got["state"][name][moment], state[moment], f"{name} {moment}", 1e-6)
+
+
+@pytest.mark.slow
+def test_consolidated_sdp_optimizer_state_of_the_distributed_transformer(runs, tmp_path):
+    """SMP's distributed transformer under tp 2 x sdp 2: other names and parameter order, same cut (the
+    master weights cut out of the partitions must equal the model file's, or consolidation refuses)."""
+    root, results = runs["tp2-sdp2"]
+    out = str(tmp_path / "replaced.safetensors")
+    assert main(["checkpoint", "consolidate", os.path.join(root, "gpt2_replaced"), "--out", out,
+                 "--with-optimizer", "--quiet"]) == 0
+    replaced = torch.load(str(tmp_path / "replaced.optimizer.pt"), weights_only=True)
+    sd = results["gpt2_replaced"]["state_dict"]
+    assert set(replaced["state"]) <= set(sd) and len(replaced["state"]) >= len(sd) - 1  # a tied head once
+    for name, state in replaced["state"].items():
+        assert int(state["step"]) == 2 and state["exp_avg"].shape == sd[name].shape, name
+
+
+def _rewrite_meta(root: str, tmp_path: object, **meta: object) -> str:
+    """A copy of the checkpoint whose optimizer files claim ``meta`` (a ZeRO-1 or 16-bit save's
+    marker), to reach the refusals without another training run."""
+    import shutil
+
+    from smp2ds.engine.checkpoint_tools.reading import load_weights
+
+    copy = os.path.join(str(tmp_path), "claimed")
+    shutil.copytree(root, copy)
+    part = os.path.join(copy, "step2_partial")
+    os.remove(os.path.join(part, "smp2ds_manifest.json"))  # the rewritten files would fail its digests
+    for name in os.listdir(part):
+        if name.startswith("optimizer_states_"):
+            obj = load_weights(os.path.join(part, name), mmap=False, deepspeed_state=True)
+            obj["smp2ds"].update(meta)
+            torch.save(obj, os.path.join(part, name))
+    return copy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,meta,message", [
+    ("tp2-sdp2", {"zero_stage": 1}, "ZeRO stage 1 (shard_optimizer_state) with precision 'fp32' where the "
+                                    "checkpoint's configuration implies stage 3"),
+    ("zero1-rdp2", {"precision": "bf16"}, "precision 'bf16'")], ids=["stage1-marker-in-sdp", "bf16-zero1"])
+def test_mismatched_and_16_bit_optimizer_state_are_refused_before_anything_is_written(runs, tmp_path, capsys, layout,
+                                                                                      meta, message):
+    claimed = _rewrite_meta(os.path.join(runs[layout][0], "gpt2"), tmp_path, **meta)
+    out = tmp_path / "out"
+    assert main(["checkpoint", "consolidate", claimed, "--out", str(out / "full.safetensors"),
+                 "--with-optimizer"]) == 2
     err = capsys.readouterr().err
-    assert "optimizer_states_0_0_0.pt" in err and "sharded" in err and "allowed: unsharded" in err
-    assert not os.listdir(tmp_path)
+    assert "optimizer_states_0_0_0.pt" in err and message in err and "allowed: fp32 optimizer state" in err, err
+    assert main(["checkpoint", "reshard", claimed, "--out", str(out), "--tp", "1", "--pp", "1", "--world", "4"]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
 
 
 RESHARDS = {
@@ -227,6 +300,12 @@ RESHARDS = {
                                 {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 1, "rdp": 2}),
     "tp2-to-tp4": ("tp2", ["--tp", "4", "--pp", "1"], {**TP_CONFIG, "tensor_parallel_degree": 4}, 1,
                    {"pipeline_parallel_degree": 1, "tensor_parallel_degree": 4, "rdp": 1}),
+    "tp2xsdp2-to-sdp4": ("tp2-sdp2", ["--tp", "1", "--pp", "1", "--world", "4", "--sdp", "4"],
+                         {**sdpw.CONFIG, "tensor_parallel_degree": 1, "sharded_data_parallel_degree": 4,
+                          "microbatches": 1}, 1,
+                         {"tensor_parallel_degree": 1, "rdp": 4, "sharded_data_parallel_degree": 4}),
+    "zero1-rdp2-to-rdp4": ("zero1-rdp2", ["--tp", "1", "--pp", "1", "--world", "4"], ZERO1_CONFIG, 1,
+                           {"tensor_parallel_degree": 1, "rdp": 4}),
 }
 
 
@@ -245,11 +324,11 @@ def test_reshard_resumes_like_one_uninterrupted_process(runs, tmp_path, capsys, 
     assert main(["checkpoint", "inspect", out, "--format", "json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert {k: rep["layout"][k] for k in expected} == expected and rep["complete"]
-    world = config["tensor_parallel_degree"] * config.get("pipeline_parallel_degree", 1) * expected["rdp"]
+    world = config.get("tensor_parallel_degree", 1) * config.get("pipeline_parallel_degree", 1) * expected["rdp"]
     per_rank = run_ranks(cw.resume_and_train, world, config, {"model": "gpt2", "seed": 40, "start": 2, "steps": 2},
                          out, b)
     assert per_rank[0]["dp"] * b == 4 and per_rank[0]["user_content"] == {"step": 2}
-    _, weights = _reference_adamw_state("gpt2", 40, dp=2, steps=4)
+    _, weights = _reference_adamw_state("gpt2", 40, dp=2, steps=4, clip=config.get("sdp_gradient_clipping"))
     got = _torch(per_rank[0]["state_dict"])
     assert sorted(got) == sorted(weights)
     for key, value in weights.items():
@@ -264,7 +343,10 @@ def test_reshard_refuses_what_it_cannot_recut_before_writing(runs, tmp_path, cap
         ([os.path.join(pp_root, "gpt2"), "--tp", "2", "--pp", "1"], "allowed: --pp 2"),
         ([os.path.join(pp_root, "gpt2"), "--tp", "3", "--pp", "2"], "--tp 3: transformer.h.0.attn.c_attn.weight"),
         ([os.path.join(pp_root, "gpt2"), "--tp", "2", "--pp", "2", "--world", "6"], "--world 6 is not a multiple"),
-        ([os.path.join(sdp_root, "gpt2"), "--tp", "2", "--pp", "1", "--rdp", "4"], "sharded_data_parallel_degree 2"),
+        ([os.path.join(sdp_root, "gpt2"), "--tp", "2", "--pp", "1", "--rdp", "4", "--sdp", "1"],
+         "allowed: --sdp values above 1"),
+        ([os.path.join(pp_root, "gpt2"), "--tp", "2", "--pp", "2", "--sdp", "2"], "allowed: --sdp 1"),
+        ([os.path.join(sdp_root, "gpt2"), "--tp", "1", "--pp", "1", "--rdp", "3"], "--sdp 2 does not divide"),
     ]
     for argv, message in cases:
         assert main(["checkpoint", "reshard", *argv, "--out", str(out)]) == 2, argv

@@ -54,6 +54,8 @@ def checkpoint_command_parser(subparsers: Any = None) -> argparse.ArgumentParser
     ranks = res.add_mutually_exclusive_group()
     ranks.add_argument("--rdp", type=positive_int, metavar="R", help="new data-parallel degree (default 1)")
     ranks.add_argument("--world", type=positive_int, metavar="W", help="new world size (rdp = W / (tp x pp))")
+    res.add_argument("--sdp", type=positive_int, metavar="S", help="new sharded_data_parallel_degree (default: the "
+                     "saved one; a checkpoint of a sharded data-parallel run only)")
     res.add_argument("--quiet", action="store_true", help="no summary")
     parser.set_defaults(handler=checkpoint_command)
     return parser
@@ -76,7 +78,8 @@ def checkpoint_command(args: argparse.Namespace) -> int:
         if args.action == "consolidate":
             return commands.consolidate(args.path, args.out, args.format, args.tag, args.with_optimizer, args.quiet)
         if args.action == "reshard":
-            return commands.reshard(args.path, args.out, args.tag, args.tp, args.pp, args.rdp, args.world, args.quiet)
+            return commands.reshard(args.path, args.out, args.tag, args.tp, args.pp, args.rdp, args.world, args.quiet,
+                                    sdp=args.sdp)
         return commands.export(args.path, args.to[0], args.to[1], args.tag, args.config, args.model_type,
                                args.num_attention_heads, args.quiet)
     except SMPCheckpointError as exc:
