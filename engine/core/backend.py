@@ -1,15 +1,17 @@
 """The ``Backend`` protocol: what ``DistributedModel``, ``DistributedOptimizer``, ``smp.step`` and
 the checkpoint code ask of the parallelism that runs the model.
 
-One backend per parallelism package (``data_parallel``, ``mics``, ``pipeline``, and
-``tensor_parallel`` once it lands), chosen by :mod:`smp2ds.engine.core.backend_registry` from the
-Plan. The core never probes a backend with ``getattr``: every member below exists on every
-backend, so a missing one is a type error, not a silent fallback.
+One backend per DeepSpeed engine it drives (``data_parallel``, ``mics``, ``pipeline``,
+``tensor_parallel``), chosen by :mod:`smp2ds.engine.core.backend_registry` from the Plan. Backends
+share code through functions (:mod:`smp2ds.engine.core.deepspeed_optimizer`), and the core asks a
+backend what it can do through the capability flags below instead of reading the configuration.
+The core never probes a backend with ``getattr``: every member below exists on every backend, which
+the type checker verifies for each backend class (``mypy``, configured in ``pyproject.toml``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -22,17 +24,38 @@ class Backend(Protocol):
     """How one SMP model runs on DeepSpeed under one parallelism."""
 
     name: str
+    """Short name, used in messages and the start-up log."""
+
+    # ---- capabilities: what the core asks instead of reading the configuration -------------------
     cast_io: bool
     """True when ``DistributedModel`` casts floating inputs to the 16-bit dtype (and outputs back)."""
     collective_state_dict: bool
     """True when ``state_dict()`` is a collective every rank must call (sharded parameters)."""
-    engine: Any
-    ds_optimizer: Any
+    can_rebuild_optimizer: bool
+    """True when :meth:`rebuild` works (``add_param_group`` before the first step)."""
+    forward_needs_step: bool
+    """True when the model may only run inside an ``@smp.step`` function (pipeline stages)."""
+    clips_in_step: bool
+    """True when DeepSpeed clips inside the step at the configured value and ``clip_master_grads``
+    does nothing (SMP's sharded data parallelism)."""
+
+    @property
+    def engine(self) -> Any:
+        """The DeepSpeed engine (None before it is built)."""
+
+    @property
+    def ds_optimizer(self) -> Any:
+        """DeepSpeed's optimizer object (None before the engine is built with an optimizer)."""
 
     # ---- construction and the step --------------------------------------------------------
     def build(self, optimizer: torch.optim.Optimizer | None = None,
               loss_scale: LossScaleArgs | None = None) -> None:
         """Create (or re-create, with the optimizer) the DeepSpeed engine."""
+
+    def rebuild(self, optimizer: torch.optim.Optimizer, loss_scale: LossScaleArgs | None,
+                regroup: Callable[[], None]) -> None:
+        """Destroy the engine, let ``regroup()`` change the optimizer's groups, build it again
+        (only where ``can_rebuild_optimizer``)."""
 
     def run_step(self, model: Any, step_fn: Any, args: tuple, kwargs: dict) -> list[Any]:
         """One ``@smp.step`` call: the step function's result per micro-batch."""
@@ -54,6 +77,10 @@ class Backend(Protocol):
     def precision(self) -> str: ...
     @property
     def zero_stage(self) -> int: ...
+    @property
+    def gradient_clipping(self) -> float:
+        """The clipping value of DeepSpeed's configuration (0.0: none)."""
+
     @property
     def overflow(self) -> bool: ...
     @property

@@ -24,6 +24,7 @@ from smp2ds.engine.core.backend import Backend
 
 def make_backend(module: Any, state: Any) -> Backend:
     """The backend that runs ``module`` under the current Plan."""
+    # Each return below is where mypy (.ci/typecheck) checks that backend class against the protocol.
     engine = state.plan.engine
     microbatches = int(engine["microbatches"])
     if engine["pipeline"]["enabled"]:

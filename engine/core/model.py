@@ -18,6 +18,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from smp2ds.engine.core import device_placement, model_io
+from smp2ds.engine.core.backend import Backend
 from smp2ds.engine.core.backend_registry import make_backend
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import (
@@ -57,6 +58,8 @@ _NO_EFFECT = {
 
 class DistributedModel(torch.nn.Module):
     """Wrap ``module`` for SMP training; one per process (``smp.reset()`` allows another)."""
+
+    backend: Backend  # set with object.__setattr__: a backend is not a submodule
 
     def __init__(
         self,
@@ -129,7 +132,7 @@ class DistributedModel(torch.nn.Module):
 
     # ---- forward / backward ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if int(state.cfg.pipeline_parallel_degree) > 1 and not state.in_step:
+        if self.backend.forward_needs_step and not state.in_step:
             raise FwdExecutionNotInStepFnError(
                 "with pipeline parallelism the model may only run inside an @smp.step function"
             )

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.core import object_collectives as collectives
+from smp2ds.engine.core.backend import Backend
 from smp2ds.engine.core.deepspeed_config import LossScaleArgs
 from smp2ds.engine.core.ranks import CommGroup
 from smp2ds.engine.core.state import state
@@ -110,7 +111,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.state = value
 
     @property
-    def backend(self) -> Any:
+    def backend(self) -> Backend:
         return self._model.backend
 
     @property
@@ -162,9 +163,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"add_param_group after the first optimizer.step() with {self.backend.name} "
                 f"(zero stage {self.backend.zero_stage}, {self.backend.precision}): DeepSpeed holds the optimizer "
                 "state in flattened partitions built from the old groups; add every group before the first step")
-        if int(state.cfg.pipeline_parallel_degree) > 1:
-            raise SMPUnsupportedError("add_param_group with pipeline parallelism: the pipeline engine is built "
-                                      "around the optimizer's groups; create the optimizer with every group")
+        if not self.backend.can_rebuild_optimizer:
+            raise SMPUnsupportedError(
+                f"add_param_group with the {self.backend.name} backend: its DeepSpeed engine is built once around "
+                "the optimizer's groups; create the optimizer with every group")
         self.backend.rebuild(self.optimizer, self.loss_scale_args, lambda: self._regroup(param_group))
 
     def _regroup(self, param_group: dict[str, Any]) -> None:
@@ -183,7 +185,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         With sharded data parallelism it does nothing and returns None, as in SMP: DeepSpeed clips
         inside the step at ``sdp_gradient_clipping``.
         """
-        if state.mics_groups is not None:
+        if self.backend.clips_in_step:
             self._warn_sdp_clip(float(max_norm))
             return None
         norm = self.backend.grad_norm(norm_type)
@@ -191,7 +193,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return norm
 
     def _warn_sdp_clip(self, max_norm: float) -> None:
-        configured = float((self.backend.ds_config or {}).get("gradient_clipping", 0.0))
+        configured = self.backend.gradient_clipping
         # inf is how callers ask for the norm alone (Hugging Face's grad-norm logging)
         if math.isfinite(max_norm) and max_norm != configured and not self.__dict__.get("_sdp_clip_warned"):
             self._sdp_clip_warned = True

@@ -16,13 +16,13 @@ pattern DeepSpeed's own pipeline engine uses). ``optimizer.step()`` then runs De
 from __future__ import annotations
 
 import os
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from smp2ds.engine.core import deepspeed_config as dsc
+from smp2ds.engine.core import deepspeed_optimizer as dso
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import SMPUnsupportedError
 
@@ -65,6 +65,12 @@ class DataParallelBackend:
     """DistributedModel casts floating inputs to the 16-bit dtype and outputs back to fp32 (SMP's
     16-bit module wrapper); backends whose engine does it themselves set this False."""
     collective_state_dict = False
+    can_rebuild_optimizer = True
+    """``rebuild`` works (before the first step): ``add_param_group`` under ZeRO or 16-bit masters."""
+    forward_needs_step = False
+    """The model may run outside ``@smp.step`` (evaluation code calling it directly)."""
+    clips_in_step = False
+    """``clip_master_grads`` clips (the engine does not clip at a configured value by itself)."""
 
     def __init__(self, module: torch.nn.Module, plan_ds: dict, *, microbatches: int,
                  initialize: Initialize | None = None, init_kwargs: dict | None = None):
@@ -120,6 +126,11 @@ class DataParallelBackend:
     @property
     def zero_stage(self) -> int:
         return dsc.zero_stage(self.ds_config or self.plan_ds)
+
+    @property
+    def gradient_clipping(self) -> float:
+        """The clipping value of DeepSpeed's configuration (0.0: none)."""
+        return float((self.ds_config or self.plan_ds).get("gradient_clipping", 0.0))
 
     # ---- one SMP step -----------------------------------------------------------------------
     def run_step(self, model: Any, step_fn: Any, args: tuple, kwargs: dict) -> list[Any]:
@@ -198,25 +209,17 @@ class DataParallelBackend:
     # ---- precision and clipping ---------------------------------------------------------------
     @property
     def overflow(self) -> bool:
-        return bool(getattr(self.ds_optimizer, "overflow", False))
+        return dso.overflow(self.ds_optimizer)
 
     @property
     def loss_scale(self) -> float:
-        for name in ("loss_scale", "cur_scale"):
-            value = getattr(self.ds_optimizer, name, None)
-            if isinstance(value, (int, float, torch.Tensor)):
-                return float(value)
-        return 1.0
+        return dso.loss_scale(self.ds_optimizer)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Global norm of the synchronised, unscaled gradients (``inf``/``nan`` on overflow)."""
         self.sync_gradients()
         if self.zero_stage >= 1:
-            if norm_type != 2:
-                raise SMPUnsupportedError("with shard_optimizer_state only the L2 gradient norm is available")
-            norm = self.ds_optimizer.scaled_global_norm()
-            norm = torch.as_tensor(norm, dtype=torch.float32)
-            return torch.where(norm < 0, torch.tensor(float("inf")), norm) / self.loss_scale
+            return dso.zero_grad_norm(self.ds_optimizer, norm_type)
         grads = [p.grad.detach().float() for p in self.module.parameters() if p.grad is not None]
         if not grads:
             return torch.tensor(0.0)
@@ -227,24 +230,10 @@ class DataParallelBackend:
 
     def clip_for_next_step(self, max_norm: float, norm: torch.Tensor) -> None:
         """Clip at ``max_norm`` in the coming ``optimizer.step()``."""
-        opt = self.ds_optimizer
         if self.precision == "fp32" and self.zero_stage == 0:
-            if torch.isfinite(norm) and float(norm) > max_norm:
-                coef = max_norm / (float(norm) + 1e-6)
-                for p in self.module.parameters():
-                    if p.grad is not None:
-                        p.grad.detach().mul_(coef)
+            dso.scale_grads(self.module.parameters(), max_norm, norm)
             return
-        if not hasattr(opt, "clip_grad"):
-            warnings.warn(f"{type(opt).__name__} has no clip_grad; clip_master_grads cannot clip", stacklevel=3)
-            return
-        previous = opt.clip_grad
-        opt.clip_grad = float(max_norm)
-
-        def restore() -> None:
-            opt.clip_grad = previous
-
-        self._clip_restore = restore
+        self._clip_restore = dso.clip_in_step(self.ds_optimizer, max_norm)
 
     def refresh_master_params(self) -> None:
         """After the module's weights were replaced, copy them into DeepSpeed's fp32 master copy."""
@@ -262,12 +251,7 @@ class DataParallelBackend:
 
     def load_optimizer_state_dict(self, sd: dict) -> None:
         """Load this rank's optimizer state (its ZeRO-1 partition when sharded)."""
-        dp_rank, dp_size = self.optimizer_partition()
-        if self.zero_stage >= 1:
-            shards: Sequence[Any] = [sd if r == dp_rank else None for r in range(dp_size)]
-            self.ds_optimizer.load_state_dict(list(shards), load_optimizer_states=True, load_from_fp32_weights=True)
-        else:
-            self.ds_optimizer.load_state_dict(sd)
+        dso.load_state(self.ds_optimizer, sd, self.zero_stage, self.optimizer_partition())
 
     # ---- module state and parameters ------------------------------------------------------------
     @property

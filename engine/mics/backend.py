@@ -19,6 +19,8 @@ class MicsBackend(DataParallelBackend):
 
     name = "mics"
     collective_state_dict = True
+    clips_in_step = True
+    """DeepSpeed clips inside the step at ``sdp_gradient_clipping``; ``clip_master_grads`` does nothing, as in SMP."""
 
     def __init__(self, module: Any, *, state: Any, microbatches: int, mpu: Any = None):
         """``mpu``: DeepSpeed's view of the groups (None: ``ShardGroupMPU``, no model parallelism)."""

@@ -1,39 +1,48 @@
 """The pipeline backend: ``DistributedModel`` on DeepSpeed's pipeline engine.
 
 The pipeline runner owns the micro-batch loop (DeepSpeed's pipeline schedule), the model call
-and the recorded loss; this backend maps the SMP objects' calls onto it. It shares
-:class:`~smp2ds.engine.data_parallel.backend.DataParallelBackend`'s precision, clipping and
-optimizer-state members (DeepSpeed's optimizer wrappers are the same).
+and the recorded loss; this backend maps the SMP objects' calls onto it. Loss scale, clipping and
+optimizer state go through :mod:`smp2ds.engine.core.deepspeed_optimizer`, as for data parallelism
+(DeepSpeed's optimizer wrappers are the same); the engine cannot be rebuilt around new parameter
+groups (``can_rebuild_optimizer`` is False).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from smp2ds.engine.core import comm
-from smp2ds.engine.core.deepspeed_config import LossScaleArgs, fp16_block, precision
-from smp2ds.engine.data_parallel.backend import DataParallelBackend
+from smp2ds.engine.core import deepspeed_optimizer as dso
+from smp2ds.engine.core.deepspeed_config import LossScaleArgs, fp16_block, precision, zero_stage
+from smp2ds.engine.exceptions import SMPUnsupportedError
 
 
-class PipelineBackend(DataParallelBackend):
+class PipelineBackend:
     """``pipeline_parallel_degree`` stages on DeepSpeed's ``PipelineEngine`` (via ``PipelineRunner``)."""
 
     name = "pipeline"
     cast_io = False
+    """DeepSpeed's pipeline engine casts the stages' inputs itself."""
+    collective_state_dict = False
+    can_rebuild_optimizer = False
+    """DeepSpeed's pipeline engine is built around the optimizer's groups once."""
+    forward_needs_step = True
+    """Stages only run inside ``@smp.step`` (the pipeline schedule drives them)."""
+    clips_in_step = False
 
     def __init__(self, module: Any, *, state: Any, microbatches: int):
-        # Not DataParallelBackend.__init__: the engine and optimizer live in the runner.
+        # The engine and optimizer live in the runner.
         from smp2ds.engine import pipeline
         from smp2ds.engine.tensor_parallel import stages as tp_stages
 
         self.module = module
         self.plan_ds = dict(state.plan.deepspeed)
-        self.ds_config = None
         self.microbatches = microbatches
         self.has_optimizer = False
-        self._clip_restore = None
+        self._clip_restore: Callable[[], None] | None = None
         self.tp = tp_stages.shard_before_stages(module)  # tensor_parallel_degree > 1: shard, then cut
         self.runner = pipeline.build_pipeline(module, state.plan, state.groups.topology)
         tp_stages.attach(self.runner, self.tp, precision(self.plan_ds))
@@ -52,6 +61,22 @@ class PipelineBackend(DataParallelBackend):
     def precision(self) -> str:
         return precision(self.plan_ds)
 
+    @property
+    def zero_stage(self) -> int:
+        return zero_stage(self.plan_ds)
+
+    @property
+    def gradient_clipping(self) -> float:
+        return float(self.plan_ds.get("gradient_clipping", 0.0))
+
+    @property
+    def overflow(self) -> bool:
+        return dso.overflow(self.ds_optimizer)
+
+    @property
+    def loss_scale(self) -> float:
+        return dso.loss_scale(self.ds_optimizer)
+
     def build(self, optimizer: Any = None, loss_scale: LossScaleArgs | None = None) -> None:
         if optimizer is None:
             return
@@ -60,6 +85,10 @@ class PipelineBackend(DataParallelBackend):
             self.runner.ds_config["fp16"] = {**fp16, **fp16_block(loss_scale)}
         self.runner.attach_optimizer(optimizer)
         self.has_optimizer = True
+
+    def rebuild(self, optimizer: Any, loss_scale: LossScaleArgs | None, regroup: Callable[[], None]) -> None:
+        raise SMPUnsupportedError("add_param_group with pipeline parallelism: the pipeline engine is built "
+                                  "around the optimizer's groups; create the optimizer with every group")
 
     def ensure_built(self) -> None:
         pass
@@ -109,7 +138,7 @@ class PipelineBackend(DataParallelBackend):
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         if self.zero_stage >= 1:
-            return super().grad_norm(norm_type)
+            return dso.zero_grad_norm(self.ds_optimizer, norm_type)
         # A tied weight (GPT-2's wte/lm_head) has a copy with the full gradient on two stages: count it once.
         params = [p for _, p in self.runner.local_named_parameters(include_replicas=False)]
         if self.tp.size > 1:
@@ -123,13 +152,9 @@ class PipelineBackend(DataParallelBackend):
 
     def clip_for_next_step(self, max_norm: float, norm: torch.Tensor) -> None:
         if self.precision == "fp32" and self.zero_stage == 0:
-            if torch.isfinite(norm) and float(norm) > max_norm:
-                coef = max_norm / (float(norm) + 1e-6)
-                for _, p in self.runner.local_named_parameters():
-                    if p.grad is not None:
-                        p.grad.detach().mul_(coef)
+            dso.scale_grads((p for _, p in self.runner.local_named_parameters()), max_norm, norm)
             return
-        super().clip_for_next_step(max_norm, norm)
+        self._clip_restore = dso.clip_in_step(self.ds_optimizer, max_norm)
 
     def full_state_dict(self, prefix: str = "", keep_vars: bool = False) -> dict:
         return {prefix + k: v for k, v in self.runner.state_dict().items()}
@@ -148,3 +173,29 @@ class PipelineBackend(DataParallelBackend):
 
     def local_modules(self) -> Any:
         return self.runner.local_modules()
+
+    # ---- optimizer state (ZeRO-1 at most: DeepSpeed's pipeline engine accepts no more) -----------------------
+    @property
+    def optimizer_state_is_sharded(self) -> bool:
+        return self.zero_stage >= 1
+
+    def optimizer_state_dict(self) -> dict:
+        return self.ds_optimizer.state_dict()
+
+    def optimizer_partition(self) -> tuple[int, int]:
+        """(index, count) of this rank's optimizer-state partition: DeepSpeed's data-parallel group is rdp."""
+        return self._state.groups.coords.rdp_rank, self._state.groups.topology.rdp
+
+    def load_optimizer_state_dict(self, sd: dict) -> None:
+        dso.load_state(self.ds_optimizer, sd, self.zero_stage, self.optimizer_partition())
+
+    @property
+    def partitioned(self) -> bool:
+        """The stages are cut when the backend is built, before the first step."""
+        return True
+
+    def param_shard_rank(self) -> int:
+        return 0
+
+    def param_shard_size(self) -> int:
+        return 1

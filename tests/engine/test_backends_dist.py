@@ -19,11 +19,11 @@ CASES = {
     # default 1.0 is applied by DeepSpeed, so the reference clips at 1.0 too. Ranks start from
     # different weights: the engine must broadcast rank 0's.
     "mics": ({"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": 2}, 2,
-             {"optimizer": "adam", "seed": 5, "steps": 3, "engine_clip": 1.0}),
+             {"optimizer": "adam", "seed": 5, "steps": 3, "engine_clip": 1.0, "probe_capabilities": True}),
     # two pipeline stages, one data-parallel rank (both ranks see the same batch). As in SMP, each
     # stage keeps the layers of its own copy of the model, so the seeds must agree.
     "pipeline": ({"ddp": True, "partitions": 2, "microbatches": 2}, 1,
-                 {"optimizer": "adam", "seed": 5, "steps": 3, "same_init": True}),
+                 {"optimizer": "adam", "seed": 5, "steps": 3, "same_init": True, "probe_capabilities": True}),
 }
 
 
@@ -39,6 +39,15 @@ def test_smp_api_on_other_engines_matches_reference(case):
         data_rank = rank if dp > 1 else 0
         for step, so in enumerate(got["outputs"]):
             assert so["outputs"] == pytest.approx(ref["mb_losses"][step][data_rank], rel=1e-5, abs=1e-7)
+        assert got["capabilities"] == CAPABILITIES[case]
+
+
+# What the core does when it asks the backend (not the configuration): pipeline stages run only inside
+# @smp.step; under sharded data parallelism clip_master_grads returns None (DeepSpeed clips in the step).
+CAPABILITIES = {
+    "mics": {"forward_outside_step": "ran", "clip_returns_norm": False},
+    "pipeline": {"forward_outside_step": "FwdExecutionNotInStepFnError", "clip_returns_norm": True},
+}
 
 
 @pytest.mark.slow

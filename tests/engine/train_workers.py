@@ -135,11 +135,27 @@ def _train_phase(smp: Any, phase: dict, b: int) -> dict:
         opt.zero_grad(set_to_none=True)
         if sched:
             sched.step()
+    if phase.get("probe_capabilities"):
+        out["capabilities"] = _probe_capabilities(model, opt, rank_batch(0, world, b, smp.dp_rank())[0])
     out["weights"] = model.state_dict()
     out["dtype"] = str(next(model.parameters()).dtype)
     out["is_optimizer"] = isinstance(opt, torch.optim.Optimizer)
     out["lr"] = opt.param_groups[0]["lr"]
     return out
+
+
+def _probe_capabilities(model: Any, opt: Any, x: torch.Tensor) -> dict:
+    """What the core does on the backend's capability flags: a forward outside ``@smp.step`` (refused
+    where stages only run in the pipeline schedule) and ``clip_master_grads`` (None where DeepSpeed
+    clips inside the step, as SMP did under sharded data parallelism)."""
+    try:
+        with torch.no_grad():
+            model(x)
+        forward = "ran"
+    except Exception as exc:  # noqa: BLE001 - the test compares the class name
+        forward = type(exc).__name__
+    norm = opt.clip_master_grads(math.inf)
+    return {"forward_outside_step": forward, "clip_returns_norm": norm is not None}
 
 
 def run_training(config: dict, phases: list[dict], b: int) -> list[dict]:
