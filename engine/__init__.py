@@ -28,7 +28,7 @@ from smp2ds.engine.core.object_collectives import (
     send,
     tp_barrier,
 )
-from smp2ds.engine.core.creation import (
+from smp2ds.engine.creation import (
     delay_param_initialization,
     is_tracing,
     model_creation,

@@ -334,3 +334,92 @@ def test_imports_of_our_modules_resolve(graph):
     ]
     if bad:
         pytest.fail("imports of modules that do not exist:\n  " + "\n  ".join(bad), pytrace=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# layering: imports only go down
+
+# The engine's packages (first name under smp2ds.engine; a top-level module counts as its own package)
+# and the ones each may import. `core` is the runtime every parallelism builds on; the parallelism
+# packages (data_parallel, mics, tensor_parallel, pipeline) import core and nn, never each other;
+# the top (engine/__init__.py and the API modules beside it) may import anything.
+LAYERS: dict[str, set[str]] = {
+    "exceptions": set(),
+    "core": {"exceptions", "diagnostics"},
+    "diagnostics": {"exceptions", "core"},
+    "amp": {"exceptions", "core"},
+    "integrations": {"exceptions", "core"},
+    "nn": {"exceptions", "core", "integrations"},
+    "data_parallel": {"exceptions", "core"},
+    "mics": {"exceptions", "core"},
+    "tensor_parallel": {"exceptions", "core", "nn", "integrations"},
+    "pipeline": {"exceptions", "core", "nn", "integrations"},
+}
+TOP = {"smp2ds.engine", "smp2ds.engine.creation"}
+"""Modules above every package: the public ``smp.*`` surface, which gathers the parallelism packages."""
+
+# The one door from core down to the parallelism packages: it builds the backend the Plan names and
+# hands core the few things a parallelism package owns (issue 22, item 4).
+SEAMS = {"smp2ds.engine.core.backend_registry"}
+
+# Package edges that break the rule today, each to be removed (issue 22); a new one fails the test,
+# and an entry that no longer occurs fails too, so the list only shrinks.
+KNOWN_CROSSINGS: set[tuple[str, str]] = {
+    ("mics", "data_parallel"),  # MicsBackend subclasses DataParallelBackend
+    ("nn", "tensor_parallel"),  # smp.nn's distributed modules are built from tensor_parallel's layers
+    ("tensor_parallel", "data_parallel"),  # TensorParallelBackend subclasses DataParallelBackend
+    ("tensor_parallel", "mics"),  # the TP x sdp backend drives the MiCS engine
+    ("pipeline", "tensor_parallel"),  # the pipeline shards each stage with tensor parallelism
+}
+
+
+def engine_package(module: str) -> str | None:
+    """The layer of one of the engine's modules (None for the top and for anything outside the engine)."""
+    if module in TOP or not module.startswith("smp2ds.engine."):
+        return None
+    return module.split(".")[2]
+
+
+def crossings(imports: dict[str, list[Import]]) -> dict[tuple[str, str], list[Import]]:
+    """Every import between two engine packages that ``LAYERS`` does not allow, by package pair."""
+    found: dict[tuple[str, str], list[Import]] = {}
+    for source, listed in imports.items():
+        below = engine_package(source)
+        if below is None or source in SEAMS:
+            continue
+        for i in listed:
+            target = engine_package(i.target)
+            if target is None or target == below or target in LAYERS[below] or i.typing_only:
+                continue
+            found.setdefault((below, target), []).append(i)
+    return found
+
+
+def test_layering_catches_an_upward_import():
+    made_up = {
+        "smp2ds.engine.core.model": [Import("smp2ds.engine.core.model", "smp2ds.engine.pipeline.manual", 3, False),
+                                     Import("smp2ds.engine.core.model", "smp2ds.engine.core.state", 4, False)],
+        "smp2ds.engine.core.backend_registry": [
+            Import("smp2ds.engine.core.backend_registry", "smp2ds.engine.pipeline.backend", 9, False)],
+        "smp2ds.engine.mics.backend": [
+            Import("smp2ds.engine.mics.backend", "smp2ds.engine.core.backend", 5, True),
+            Import("smp2ds.engine.mics.backend", "smp2ds.engine.tensor_parallel.mpu", 6, True)],
+    }
+    assert list(crossings(made_up)) == [("core", "pipeline")]
+
+
+def test_every_engine_package_has_a_layer(graph):
+    files, _ = graph
+    packages = {engine_package(m) for m in files} - {None}
+    assert packages == set(LAYERS), "give a new package its place in LAYERS"
+
+
+def test_imports_only_go_down(graph):
+    files, imports = graph
+    found = crossings(imports)
+    new = {pair: listed for pair, listed in found.items() if pair not in KNOWN_CROSSINGS}
+    lines = [f"{i.where(files)}: {i.source} imports {i.target}" for listed in new.values() for i in listed]
+    if lines:
+        pytest.fail("imports against the layering (LAYERS in this file):\n  " + "\n  ".join(lines), pytrace=False)
+    gone = KNOWN_CROSSINGS - set(found)
+    assert not gone, f"remove these fixed crossings from KNOWN_CROSSINGS: {sorted(gone)}"

@@ -1,4 +1,8 @@
-"""Choose the backend for a ``DistributedModel`` from the Plan (never from the raw config).
+"""The one door from ``core`` down to the parallelism packages (``tests/test_import_graph.py``
+enforces it): the backend for a ``DistributedModel``, chosen from the Plan (never from the raw
+config), and the few things a parallelism package owns that core needs before or besides it.
+
+Backends:
 
 * ``plan.engine.pipeline.enabled``: :class:`smp2ds.engine.pipeline.backend.PipelineBackend` (with
   tensor parallelism too: it shards the model over each stage's tensor-parallel group,
@@ -11,15 +15,27 @@
 * otherwise :class:`smp2ds.engine.data_parallel.backend.DataParallelBackend` (DDP, or ZeRO-1 for
   ``shard_optimizer_state``).
 
-Backend modules are imported only when chosen: the pipeline one pulls in DeepSpeed's pipeline
-package, which plain data-parallel scripts never need.
+Besides: ``smp.init``'s set-up of the pipeline's partition registry and the MiCS shard groups
+(:func:`prepare_groups`), SMP's distributed-transformer replacement of a wrapped model
+(:func:`prepare_module`), and tensor parallelism's marks on parameters (:data:`parameter_roles`).
+
+Backend modules are imported only when chosen (start-up time): the pipeline one pulls in
+DeepSpeed's pipeline package, which plain data-parallel scripts never need.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from smp2ds.engine.core.backend import Backend
+
+# DistributedModel's is_distributed_* / is_scaled_batch_* queries read tensor parallelism's marks
+# (false everywhere when nothing is marked); a light module (torch only), so imported at once.
+from smp2ds.engine.tensor_parallel import introspect as parameter_roles
+
+__all__ = ["make_backend", "parameter_roles", "prepare_groups", "prepare_module"]
 
 
 def make_backend(module: Any, state: Any) -> Backend:
@@ -28,21 +44,54 @@ def make_backend(module: Any, state: Any) -> Backend:
     engine = state.plan.engine
     microbatches = int(engine["microbatches"])
     if engine["pipeline"]["enabled"]:
-        from smp2ds.engine.pipeline.backend import PipelineBackend
+        from smp2ds.engine.pipeline.backend import PipelineBackend  # start-up: DeepSpeed's pipeline package
 
         return PipelineBackend(module, state=state, microbatches=microbatches)
     if engine["tensor_parallel"]["enabled"] and engine["mics"]["enabled"]:
-        from smp2ds.engine.tensor_parallel.sharded_data import TensorShardedBackend
+        from smp2ds.engine.tensor_parallel.sharded_data import TensorShardedBackend  # start-up: only when chosen
 
         return TensorShardedBackend(module, state=state, microbatches=microbatches)
     if engine["tensor_parallel"]["enabled"]:
-        from smp2ds.engine.tensor_parallel.backend import create_backend
+        from smp2ds.engine.tensor_parallel.backend import create_backend  # start-up: only when chosen
 
         return create_backend(module, state=state, microbatches=microbatches)
     if engine["mics"]["enabled"]:
-        from smp2ds.engine.mics.backend import MicsBackend
+        from smp2ds.engine.mics.backend import MicsBackend  # start-up: only when chosen
 
         return MicsBackend(module, state=state, microbatches=microbatches)
-    from smp2ds.engine.data_parallel.backend import DataParallelBackend
+    from smp2ds.engine.data_parallel.backend import DataParallelBackend  # start-up: only when chosen
 
     return DataParallelBackend(module, dict(state.plan.deepspeed), microbatches=microbatches)
+
+
+def prepare_module(module: torch.nn.Module) -> torch.nn.Module:
+    """SMP's distributed transformer replaces marked Hugging Face models (any tp degree) before the
+    backend is built; unmarked modules come back unchanged."""
+    # start-up: the replacement reads transformers' model classes
+    from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
+
+    return replace_marked(module)
+
+
+def prepare_groups(plan: Any, topology: Any, launch: Any) -> Any:
+    """``smp.init``'s share of the parallelism packages: the pipeline's partition registry learns
+    the stage count (``smp.partition(i)`` then rejects ``i >= pp`` at once), and sharded data
+    parallelism's shard/replica groups are created (collective), because
+    ``smp.delay_param_initialization()`` needs them before the model is wrapped. Shard size, ranks
+    per node and the hierarchical all-gather decision are the Plan's. Returns the MiCS groups, or None."""
+    if plan.engine["pipeline"]["enabled"]:
+        from smp2ds.engine.pipeline import manual  # start-up: pipeline scripts only
+
+        manual.configure(topology.pp)
+    mics = plan.engine["mics"]
+    if not mics["enabled"]:
+        return None
+    from smp2ds.engine.mics.shard_groups import MicsGroups  # start-up: sharded data parallelism only
+
+    return MicsGroups.create(
+        topology,
+        int(mics["shard_size"]),
+        rank=launch.rank,
+        ranks_per_node=int(plan.topology["ranks_per_node"]),
+        hierarchical=bool(mics["hierarchical_allgather"]),
+    )

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from smp2ds.engine.core import comm, launch_env
+from smp2ds.engine.core.backend_registry import prepare_groups
 from smp2ds.engine.core.process_groups import create_groups
 from smp2ds.engine.core.state import ConfigView, state
 from smp2ds.engine.diagnostics import failure_report as faults
@@ -186,12 +187,8 @@ def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> 
 
     comm.init_deepspeed(backend)
     topology = _topology(plan, launch)
-    if plan.engine["pipeline"]["enabled"]:
-        from smp2ds.engine.pipeline import manual
-
-        manual.configure(topology.pp)  # smp.partition(i) then rejects i >= pp at once
     state.groups = create_groups(topology, launch.rank)
-    state.mics_groups = _mics_groups(plan, topology, launch)
+    state.mics_groups = prepare_groups(plan, topology, launch)
     state.config, state.plan, state.launch, state.backend_name = cfg, plan, launch, backend
     state.cfg = ConfigView(cfg, plan)
     os.environ.update(
@@ -226,24 +223,6 @@ def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> 
     step_log.start_logging(plan, launch, backend)  # SMP2DS_LOG: rank-tagged lines, layout on rank 0
     if launch.rank == 0:
         state.cfg.display_config()
-
-
-def _mics_groups(plan: Any, topology: Any, launch: launch_env.LaunchEnv) -> Any:
-    """Shard/replica groups for sharded data parallelism, created at init (collective) because
-    ``smp.delay_param_initialization()`` needs them before the model is wrapped. Shard size,
-    ranks per node and the hierarchical all-gather decision are the Plan's."""
-    mics = plan.engine["mics"]
-    if not mics["enabled"]:
-        return None
-    from smp2ds.engine.mics.shard_groups import MicsGroups
-
-    return MicsGroups.create(
-        topology,
-        int(mics["shard_size"]),
-        rank=launch.rank,
-        ranks_per_node=int(plan.topology["ranks_per_node"]),
-        hierarchical=bool(mics["hierarchical_allgather"]),
-    )
 
 
 def _topology(plan: Any, launch: launch_env.LaunchEnv) -> Any:

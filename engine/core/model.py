@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from smp2ds.engine.core import device_placement, model_io
 from smp2ds.engine.core.backend import Backend
-from smp2ds.engine.core.backend_registry import make_backend
+from smp2ds.engine.core.backend_registry import make_backend, parameter_roles, prepare_module
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import (
     BwdExecutionNotInStepFnError,
@@ -28,7 +28,6 @@ from smp2ds.engine.exceptions import (
     SMPInvalidArgumentError,
     SMPUnsupportedError,
 )
-from smp2ds.engine.tensor_parallel import introspect
 
 _NO_EFFECT = {
     "trace_execution_times": (False, "tracing only serves automatic pipeline partitioning"),
@@ -96,10 +95,7 @@ class DistributedModel(torch.nn.Module):
         if "overlapping_allreduce" in kwargs and not isinstance(kwargs["overlapping_allreduce"], bool):
             raise SMPInvalidArgumentError("overlapping_allreduce must be a bool")
         super().__init__()
-        # SMP's distributed transformer replaces marked Hugging Face GPT-2 models (any tp degree)
-        from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
-
-        module = replace_marked(module)
+        module = prepare_module(module)  # SMP's distributed transformer replaces marked models (any tp degree)
         self.module = module
         self.trace_device = trace_device
         self.backward_passes_per_step = backward_passes_per_step
@@ -256,7 +252,7 @@ class DistributedModel(torch.nn.Module):
             tp = int(state.cfg.tensor_parallel_degree)
             scaled = {prefix + n for n, _ in self.scaled_batch_reducer_named_parameters()} | {
                 prefix + n for n, b in self.module.named_buffers()
-                if id(b) in introspect.scaled_batch_buffers(self.module, tp)}
+                if id(b) in parameter_roles.scaled_batch_buffers(self.module, tp)}
             sd = {k: v for k, v in sd.items() if k in scaled}
         sd = model_io.to_cpu(sd) if cast_to_cpu else dict(sd)
         sd["_smp_is_partial"] = True
@@ -328,31 +324,31 @@ class DistributedModel(torch.nn.Module):
     # ---- tensor-parallel helpers (SMP v1.6+; answers from the sharding, see tensor_parallel.introspect) --
     def distributed_modules(self) -> Iterator[torch.nn.Module]:
         """The distributed modules: ``smp.nn`` modules and those the engine sharded in place."""
-        return introspect.distributed_modules(self.module)
+        return parameter_roles.distributed_modules(self.module)
 
     def is_distributed_parameter(self, param: torch.Tensor) -> bool:
         """True when ``param`` is split over the tensor-parallel ranks (this rank holds a shard)."""
-        return introspect.is_distributed(param)
+        return parameter_roles.is_distributed(param)
 
     def is_distributed_buffer(self, buf: torch.Tensor) -> bool:
         """True when ``buf`` is split over the tensor-parallel ranks (the engine splits no buffers)."""
-        return introspect.is_distributed(buf)
+        return parameter_roles.is_distributed(buf)
 
     def is_scaled_batch_parameter(self, param: torch.Tensor) -> bool:
         """True when ``param`` sees the tensor-parallel group's batch (its gradient reduces over rdp)."""
-        return introspect.is_scaled_batch(param)
+        return parameter_roles.is_scaled_batch(param)
 
     def is_scaled_batch_buffer(self, buf: torch.Tensor) -> bool:
         """True when ``buf`` belongs to a distributed module and tensor parallelism is on."""
-        return id(buf) in introspect.scaled_batch_buffers(self.module, int(state.cfg.tensor_parallel_degree))
+        return id(buf) in parameter_roles.scaled_batch_buffers(self.module, int(state.cfg.tensor_parallel_degree))
 
     def default_reducer_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Named parameters whose gradients SMP all-reduces over the whole data-parallel group."""
-        return iter(introspect.split_by_reducer(self.module)[0])
+        return iter(parameter_roles.split_by_reducer(self.module)[0])
 
     def scaled_batch_reducer_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Named parameters whose gradients SMP all-reduces over the reduced-data-parallel group."""
-        return iter(introspect.split_by_reducer(self.module)[1])
+        return iter(parameter_roles.split_by_reducer(self.module)[1])
 
     def get_param_name(self, param: torch.nn.Parameter) -> str:
         for name, p in self.module.named_parameters():

@@ -4,6 +4,9 @@
 
 ``partition`` / ``set_partition`` delegate to the pipeline engine's registry
 (``smp2ds.engine.pipeline.manual``), which the pipeline backend reads when it splits the model.
+
+Part of the public surface beside ``engine/__init__.py``, above the packages: it gathers what the
+pipeline, tensor-parallel and MiCS packages do at model creation, which ``core`` may not import.
 """
 
 from __future__ import annotations
