@@ -13,6 +13,7 @@ from typing import Any
 
 from . import keymap as km
 from .activation import activation_block, engine_activation
+from .backend_choice import choose_backend
 from .batch import BatchPlan, plan_batch
 from .ds_compat import CLIPPING_DEFAULT_NOTE, check_deepspeed_config
 from .issues import Issue, SMPConfigError
@@ -251,7 +252,11 @@ def _engine(
     remarks: list[str],
 ) -> dict[str, Any]:
     seed = config.v2.get("random_seed") if config.smp_version == 2 else None
+    mics, tensor_parallel = _mics(params, topo, rpn, remarks), engine_tensor_parallel(params, seed)
+    backend = choose_backend(pipeline=pipeline["enabled"], tensor_parallel=tensor_parallel["enabled"],
+                             mics=mics["enabled"])
     return {
+        "backend": backend.to_dict(),
         "smp_version": config.smp_version,
         "strategy": config.strategy,
         "microbatches": params["microbatches"],
@@ -269,9 +274,9 @@ def _engine(
             "source": resolved.batch_source,
         },
         "zero_stage": zero_stage(params),
-        "mics": _mics(params, topo, rpn, remarks),
+        "mics": mics,
         "pipeline": pipeline,
-        "tensor_parallel": engine_tensor_parallel(params, seed),
+        "tensor_parallel": tensor_parallel,
         "precision": {
             "dtype": dtype_of(params),
             "loss_scale": "from smp.DistributedOptimizer(static_loss_scale, dynamic_loss_scale, "

@@ -1,19 +1,20 @@
 """The one door from ``core`` down to the parallelism packages (``tests/test_import_graph.py``
-enforces it): the backend for a ``DistributedModel``, chosen from the Plan (never from the raw
-config), and the few things a parallelism package owns that core needs before or besides it.
+enforces it): the backend for a ``DistributedModel``, the one the Plan names (the planner chooses,
+:mod:`smp2ds.translator.backend_choice`, so ``smp2ds explain`` shows what runs), and the few things
+a parallelism package owns that core needs before or besides it.
 
-Backends:
+Backends, by the Plan's ``/engine/backend/name``:
 
-* ``plan.engine.pipeline.enabled``: :class:`smp2ds.engine.pipeline.backend.PipelineBackend` (with
-  tensor parallelism too: it shards the model over each stage's tensor-parallel group,
+* ``pipeline``: :class:`smp2ds.engine.pipeline.backend.PipelineBackend` (with tensor parallelism
+  too: it shards the model over each stage's tensor-parallel group,
   :mod:`smp2ds.engine.tensor_parallel.stages`);
-* ``plan.engine.tensor_parallel.enabled``: :mod:`smp2ds.engine.tensor_parallel.backend` (tensor
-  parallelism with DDP or ZeRO-1 over the reduced-data-parallel group); with ``mics`` also enabled
-  :class:`smp2ds.engine.tensor_parallel.sharded_data.TensorShardedBackend` (ZeRO-3 over shard
-  groups inside the rdp group);
-* ``plan.engine.mics.enabled``: :class:`smp2ds.engine.mics.backend.MicsBackend`;
-* otherwise :class:`smp2ds.engine.data_parallel.backend.DataParallelBackend` (DDP, or ZeRO-1 for
-  ``shard_optimizer_state``).
+* ``tensor-parallel``: :mod:`smp2ds.engine.tensor_parallel.backend` (tensor parallelism with DDP or
+  ZeRO-1 over the reduced-data-parallel group);
+* ``tensor-parallel+mics``: :class:`smp2ds.engine.tensor_parallel.sharded_data.TensorShardedBackend`
+  (ZeRO-3 over shard groups inside the rdp group);
+* ``mics``: :class:`smp2ds.engine.mics.backend.MicsBackend`;
+* ``deepspeed-data-parallel``: :class:`smp2ds.engine.data_parallel.backend.DataParallelBackend`
+  (DDP, or ZeRO-1 for ``shard_optimizer_state``).
 
 Besides: ``smp.init``'s set-up of the pipeline's partition registry and the MiCS shard groups
 (:func:`prepare_groups`), SMP's distributed-transformer replacement of a wrapped model
@@ -30,38 +31,43 @@ from typing import Any
 import torch
 
 from smp2ds.engine.core.backend import Backend
+from smp2ds.engine.exceptions import SMPInvalidArgumentError
 
 # DistributedModel's is_distributed_* / is_scaled_batch_* queries read tensor parallelism's marks
 # (false everywhere when nothing is marked); a light module (torch only), so imported at once.
 from smp2ds.engine.tensor_parallel import introspect as parameter_roles
+from smp2ds.translator.backend_choice import BACKENDS
 
 __all__ = ["make_backend", "parameter_roles", "prepare_groups", "prepare_module"]
 
 
 def make_backend(module: Any, state: Any) -> Backend:
-    """The backend that runs ``module`` under the current Plan."""
+    """The backend the Plan names (``/engine/backend/name``, the planner's choice that ``smp2ds explain`` shows)."""
     # Each return below is where mypy (.ci/typecheck) checks that backend class against the protocol.
-    engine = state.plan.engine
-    microbatches = int(engine["microbatches"])
-    if engine["pipeline"]["enabled"]:
+    name = state.plan.engine["backend"]["name"]
+    microbatches = int(state.plan.engine["microbatches"])
+    if name == "pipeline":
         from smp2ds.engine.pipeline.backend import PipelineBackend  # start-up: DeepSpeed's pipeline package
 
         return PipelineBackend(module, state=state, microbatches=microbatches)
-    if engine["tensor_parallel"]["enabled"] and engine["mics"]["enabled"]:
+    if name == "tensor-parallel+mics":
         from smp2ds.engine.tensor_parallel.sharded_data import TensorShardedBackend  # start-up: only when chosen
 
         return TensorShardedBackend(module, state=state, microbatches=microbatches)
-    if engine["tensor_parallel"]["enabled"]:
+    if name == "tensor-parallel":
         from smp2ds.engine.tensor_parallel.backend import create_backend  # start-up: only when chosen
 
         return create_backend(module, state=state, microbatches=microbatches)
-    if engine["mics"]["enabled"]:
+    if name == "mics":
         from smp2ds.engine.mics.backend import MicsBackend  # start-up: only when chosen
 
         return MicsBackend(module, state=state, microbatches=microbatches)
-    from smp2ds.engine.data_parallel.backend import DataParallelBackend  # start-up: only when chosen
+    if name == "deepspeed-data-parallel":
+        from smp2ds.engine.data_parallel.backend import DataParallelBackend  # start-up: only when chosen
 
-    return DataParallelBackend(module, dict(state.plan.deepspeed), microbatches=microbatches)
+        return DataParallelBackend(module, dict(state.plan.deepspeed), microbatches=microbatches)
+    raise SMPInvalidArgumentError(f"the Plan's /engine/backend/name is {name!r}; this engine has the backends "
+                                  f"{', '.join(BACKENDS)} (was the Plan made by another smp2ds version?)")
 
 
 def prepare_module(module: torch.nn.Module) -> torch.nn.Module:

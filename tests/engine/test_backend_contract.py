@@ -16,6 +16,7 @@ from smp2ds.engine.mics.backend import MicsBackend
 from smp2ds.engine.pipeline.backend import PipelineBackend
 from smp2ds.engine.tensor_parallel.backend import TensorParallelBackend
 from smp2ds.engine.tensor_parallel.sharded_data import TensorShardedBackend
+from smp2ds.translator.backend_choice import BACKENDS
 
 FLAGS = ("cast_io", "collective_state_dict", "can_rebuild_optimizer", "forward_needs_step", "clips_in_step")
 
@@ -51,3 +52,8 @@ def test_pipeline_backend_refuses_to_rebuild_and_leaves_the_groups_alone():
     with pytest.raises(SMPUnsupportedError, match="add_param_group with pipeline parallelism"):
         backend.rebuild(None, None, lambda: regrouped.append(True))
     assert regrouped == []
+
+
+def test_each_backend_is_named_as_the_planner_names_it():
+    # make_backend builds the class whose name the Plan carries; every choice has exactly one class
+    assert sorted(backend.name for backend in EXPECTED) == sorted(BACKENDS)

@@ -43,10 +43,12 @@ def test_smp_api_on_other_engines_matches_reference(case):
 
 
 # What the core does when it asks the backend (not the configuration): pipeline stages run only inside
-# @smp.step; under sharded data parallelism clip_master_grads returns None (DeepSpeed clips in the step).
+# @smp.step; under sharded data parallelism clip_master_grads returns None (DeepSpeed clips in the step);
+# the backend built is the one the Plan (and so `smp2ds explain`) names.
 CAPABILITIES = {
-    "mics": {"forward_outside_step": "ran", "clip_returns_norm": False},
-    "pipeline": {"forward_outside_step": "FwdExecutionNotInStepFnError", "clip_returns_norm": True},
+    "mics": {"forward_outside_step": "ran", "clip_returns_norm": False, "backend_is_the_plans": True},
+    "pipeline": {"forward_outside_step": "FwdExecutionNotInStepFnError", "clip_returns_norm": True,
+                 "backend_is_the_plans": True},
 }
 
 

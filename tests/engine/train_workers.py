@@ -155,7 +155,10 @@ def _probe_capabilities(model: Any, opt: Any, x: torch.Tensor) -> dict:
     except Exception as exc:  # noqa: BLE001 - the test compares the class name
         forward = type(exc).__name__
     norm = opt.clip_master_grads(math.inf)
-    return {"forward_outside_step": forward, "clip_returns_norm": norm is not None}
+    from smp2ds.engine.core.state import state
+
+    return {"forward_outside_step": forward, "clip_returns_norm": norm is not None,
+            "backend_is_the_plans": model.backend.name == state.plan.engine["backend"]["name"]}
 
 
 def run_training(config: dict, phases: list[dict], b: int) -> list[dict]:

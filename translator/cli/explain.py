@@ -1,7 +1,8 @@
 """``smp2ds explain FILE``: what happens to every key, and what the layout costs per rank.
 
-Prints the key-fate table (key, value, fate, target pointer or reason), the plan's topology and
-remarks, for configurations that set ``tensor_parallel_degree`` the fate of each distributed-transformer
+Prints the key-fate table (key, value, fate, target pointer or reason), the plan's topology, the
+engine backend the planner chose (the one ``smp.DistributedModel`` builds) and remarks, for
+configurations that set ``tensor_parallel_degree`` the fate of each distributed-transformer
 setting scripts pass to ``smp.model_creation`` (``translator/transformer_options.py``), then the
 per-rank model-state memory and the communication volume per optimizer step computed by
 ``smp2ds.translator.estimate.estimate`` for ``--params`` parameters.
@@ -114,6 +115,7 @@ def explain_command(args: argparse.Namespace) -> int:
             report.dump_json(
                 {
                     "topology": result.topology,
+                    "backend": result.engine["backend"],
                     "keys": [n.to_dict() for n in result.notes],
                     "counts": report.fate_counts(result.notes),
                     "remarks": list(result.remarks),
@@ -128,6 +130,7 @@ def explain_command(args: argparse.Namespace) -> int:
     parts = [
         f"keys ({report.render_fate_summary(result.notes)}):\n" + report.render_key_table(result.notes),
         report.render_mapping("topology", result.topology),
+        _backend_text(result.engine["backend"]),
         report.render_remarks(result.remarks),
         _split_text(split) if split else "",
         _tp_text(tp_traffic) if tp_traffic else "",
@@ -256,6 +259,11 @@ def _tp_traffic(args: argparse.Namespace, result: Any) -> dict[str, Any] | None:
         )
     except ValueError as err:
         raise UsageError(str(err)) from None
+
+
+def _backend_text(backend: Any) -> str:
+    """The engine backend the planner chose (what ``smp.DistributedModel`` builds)."""
+    return f"backend: {backend['name']}\n  {backend['reason']}\n"
 
 
 def _tp_text(t: dict[str, Any]) -> str:
