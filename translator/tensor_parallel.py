@@ -13,6 +13,7 @@ empty: the engine's sharding is not DeepSpeed's AutoTP.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 TP_ENGINE = (
@@ -49,16 +50,39 @@ def tensor_parallel_block(params: Mapping[str, Any]) -> dict[str, Any]:
     return {}
 
 
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelSettings:
+    """The engine's tensor-parallel settings (the Plan's ``/engine/tensor_parallel``). The defaults
+    here are the only ones: the engine reads the Plan through :meth:`from_engine`."""
+
+    enabled: bool = False
+    degree: int = 1
+    implementation: str | None = None
+    unsupported: str | None = None
+    seed: int = 0
+    prescaled_batch: bool = False
+    optimize: str = "speed"
+    """SMP's ``optimize``: 'memory' splits the distributed transformer's sequence over the group."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_engine(cls, engine: Mapping[str, Any]) -> TensorParallelSettings:
+        """The settings of a Plan's ``engine`` section."""
+        return cls(**engine["tensor_parallel"])
+
+
 def engine_tensor_parallel(params: Mapping[str, Any], seed: int | None = None) -> dict[str, Any]:
     """Engine settings for tensor parallelism (``seed``: SMP v2 ``random_seed`` overrides v1's seed)."""
-    tp = params.get("tensor_parallel_degree", 1)
-    return {
-        "enabled": tp > 1,
-        "degree": tp,
-        "implementation": "smp2ds-megatron" if runs(params) else None,
-        "unsupported": refusal(params),
-        "seed": params.get("tensor_parallel_seed", 0) if seed is None else seed,
-        "prescaled_batch": bool(params.get("prescaled_batch", False)),
+    tp = params.get("tensor_parallel_degree", TensorParallelSettings.degree)
+    return TensorParallelSettings(
+        enabled=tp > 1,
+        degree=tp,
+        implementation="smp2ds-megatron" if runs(params) else None,
+        unsupported=refusal(params),
+        seed=params.get("tensor_parallel_seed", TensorParallelSettings.seed) if seed is None else seed,
+        prescaled_batch=bool(params.get("prescaled_batch", TensorParallelSettings.prescaled_batch)),
         # memory: smp.nn's distributed transformer splits the sequence over the group (sequence parallelism)
-        "optimize": str(params.get("optimize") or "speed"),
-    }
+        optimize=str(params.get("optimize") or TensorParallelSettings.optimize),
+    ).to_dict()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from smp2ds.translator.tensor_parallel import TensorParallelSettings
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -14,9 +16,9 @@ class TPGroup:
     rank: int
     size: int
     ranks: tuple[int, ...]
-    prescaled_batch: bool = False
+    prescaled_batch: bool = TensorParallelSettings.prescaled_batch
     """True: the group shares one batch; False: every member brings its own (gathered per region)."""
-    optimize: str = "speed"
+    optimize: str = TensorParallelSettings.optimize
     """SMP's ``optimize``: 'memory' splits the distributed transformer's sequence over the group."""
 
     @property
@@ -35,10 +37,10 @@ def current() -> TPGroup:
 
     if not state.initialized or state.groups.topology.tp == 1:
         return SINGLE
-    tp = state.plan.engine["tensor_parallel"]
+    tp = TensorParallelSettings.from_engine(state.plan.engine)
     return TPGroup(handle=state.groups.group("tp"), rank=state.groups.coords.tp_rank,
                    size=state.groups.topology.tp, ranks=tuple(state.groups.ranks["tp"]),
-                   prescaled_batch=bool(tp["prescaled_batch"]), optimize=str(tp.get("optimize") or "speed"))
+                   prescaled_batch=tp.prescaled_batch, optimize=tp.optimize)
 
 
 def is_tensor_parallel(module: Any) -> bool:

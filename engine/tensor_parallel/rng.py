@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import torch
 
+from smp2ds.translator.tensor_parallel import TensorParallelSettings
+
 
 class RngManager:
     """The group's region stream and the counter of distributed-module initialisations."""
@@ -61,7 +63,8 @@ def manager() -> RngManager:
     from smp2ds.engine.core.state import state
 
     if state.rng_manager is None:
-        seed = state.plan.engine["tensor_parallel"]["seed"] if state.initialized else 0
+        seed = TensorParallelSettings.from_engine(state.plan.engine).seed if state.initialized \
+            else TensorParallelSettings.seed
         state.rng_manager = RngManager(seed)
     return state.rng_manager
 

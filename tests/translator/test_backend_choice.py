@@ -49,3 +49,28 @@ def test_explain_shows_the_choice(tmp_path, capsys):
     assert shown["backend"]["name"] == "mics"
     assert cli_main(["explain", str(config), "--world-size", "4"]) == 0
     assert "\nbackend: mics\n" in capsys.readouterr().out
+
+
+# ---- the tensor-parallel part of the Plan, typed ---------------------------------------------------
+
+
+def test_tensor_parallel_settings_read_back_from_the_plan_with_the_values_given():
+    from smp2ds.translator.tensor_parallel import TensorParallelSettings
+
+    layout = Layout(world_size=4)
+    params = {"ddp": True, "tensor_parallel_degree": 2, "tensor_parallel_seed": 7, "optimize": "memory"}
+    settings = TensorParallelSettings.from_engine(plan(normalize(params, layout), layout).engine)
+    assert settings == TensorParallelSettings(enabled=True, degree=2, implementation="smp2ds-megatron", seed=7,
+                                              optimize="memory")
+    with pytest.raises(AttributeError):
+        settings.seed = 3  # frozen: the engine reads the Plan, never changes it
+
+
+def test_the_engine_takes_its_tensor_parallel_defaults_from_the_plan_type():
+    from smp2ds.engine.tensor_parallel.group import SINGLE
+    from smp2ds.translator.tensor_parallel import TensorParallelSettings
+
+    layout = Layout(world_size=2)
+    settings = TensorParallelSettings.from_engine(plan(normalize({"ddp": True}, layout), layout).engine)
+    assert settings == TensorParallelSettings()  # tensor parallelism off: every default
+    assert SINGLE.optimize == settings.optimize
