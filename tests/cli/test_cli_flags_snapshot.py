@@ -77,7 +77,7 @@ SNAPSHOT: dict[str, dict[str, object]] = {
         "positionals": ["PATH"],
     },
     "checkpoint reshard": {
-        "options": ["--out", "--pp", "--quiet", "--rdp", "--tag", "--tp", "--world", "-h/--help"],
+        "options": ["--out", "--pp", "--quiet", "--rdp", "--sdp", "--tag", "--tp", "--world", "-h/--help"],
         "positionals": ["PATH"],
     },
     "checkpoint export": {
