@@ -15,7 +15,6 @@ lr-sized steps, which would test Adam's amplification of rounding rather than th
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 from tests._dist import run_ranks
 from tests.engine.test_pipeline_dist import MICRO, STEPS, _Plain, batch, loss_of, micro_calls, step_lm
 from tests.engine.test_pipeline_hf_decoders import FAMILIES, make_decoder
+from tests.scripts.pipeline_reference import micro_batched_reference
 
 DIST_FAMILIES = ("mistral", "qwen2", "qwen3", "gemma", "phi", "gpt_neox", "falcon")
 TIED = {"gemma": ("model.embed_tokens.weight", "lm_head.weight"),
@@ -129,23 +129,7 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "pipeline" / "hf_decoder_causal
 
 
 def _script_reference(steps: int, micro: int) -> dict:
-    spec = importlib.util.spec_from_file_location("hf_decoder_causal_lm", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    model = script.make_model()
-    opt = script.make_optimizer(model.parameters())
-    losses = []
-    for step in range(steps):
-        ids, mask = script.global_batch(step, 1)
-        mine = []
-        for i, m in zip(ids.chunk(micro), mask.chunk(micro)):
-            loss = model(input_ids=i, attention_mask=m, labels=i).loss
-            (loss / micro).backward()
-            mine.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad()
-        losses.append(mine)
-    return {"losses": losses, "state": model.state_dict()}
+    return micro_batched_reference(SCRIPT, steps, micro, lambda script, params: script.make_optimizer(params))
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from smp2ds.engine.pipeline import (
     set_partition,
 )
 from smp2ds.engine.pipeline.balance import balance, layer_costs, manual_parts
+from smp2ds.engine.pipeline.families.probe import run_layers
 from smp2ds.engine.pipeline.layers import compute_proxy
 from smp2ds.translator.issues import SMPConfigError
 from smp2ds.translator.topology import PLACEMENT_ALIASES, PLACEMENT_ORDERS, Topology
@@ -65,20 +66,6 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
     raise ValueError(kind)
 
 
-def run_layer_list(layer_list, x):
-    """Run every layer in one process, building tied modules once, as PipelineModule would."""
-    from deepspeed.pipe import TiedLayerSpec
-
-    built = {}
-    for layer in layer_list.layers:
-        if isinstance(layer.entry, TiedLayerSpec):
-            module = built.setdefault(layer.entry.key, layer.entry.build())
-            x = layer.entry.forward_fn(module, x)
-        else:
-            x = layer.entry(x)
-    return x
-
-
 def _padded_batch(seed: int = 3):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (3, SEQ), generator=g)
@@ -98,7 +85,7 @@ def test_layer_list_reproduces_the_hf_forward_and_loss_exactly(kind):
     for kwargs in ({"input_ids": ids}, {"input_ids": ids, "attention_mask": mask, "labels": labels}):
         with torch.no_grad():
             ref = model(**kwargs)
-            out = run_layer_list(layer_list, layer_list.adapter.pipe_inputs((), kwargs))
+            out = run_layers(layer_list, layer_list.adapter.pipe_inputs((), kwargs))
             wrapped = layer_list.adapter.make_output(out, (), kwargs)
         assert torch.equal(wrapped.logits, ref.logits)
         if "labels" in kwargs:

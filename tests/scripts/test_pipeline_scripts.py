@@ -11,13 +11,13 @@ the final weights.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.scripts.pipeline_reference import load_script, micro_batched_reference
 from tests.scripts.torchrun_launch import run_torchrun
 
 SCRIPT = Path(__file__).parent / "pipeline" / "mnist_grouped.py"
@@ -25,10 +25,7 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def _script_module():
-    spec = importlib.util.spec_from_file_location("mnist_grouped", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def reference(steps: int, dp: int, micro: int, optimizer: str, clip: float, model: str = "grouped") -> dict:
@@ -120,23 +117,8 @@ GPT2_SCRIPT = Path(__file__).parent / "pipeline" / "gpt2_first_stage_data.py"
 
 
 def _gpt2_reference(steps: int, micro: int) -> dict:
-    spec = importlib.util.spec_from_file_location("gpt2_first_stage_data", GPT2_SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    model = script.make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in range(steps):
-        ids, mask = script.global_batch(step, 1)
-        mine = []
-        for i, m in zip(ids.chunk(micro), mask.chunk(micro)):
-            loss = model(input_ids=i, attention_mask=m, labels=i).loss
-            (loss / micro).backward()
-            mine.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad()
-        losses.append(mine)
-    return {"losses": losses, "state": model.state_dict()}
+    return micro_batched_reference(GPT2_SCRIPT, steps, micro,
+                                   lambda script, params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
 
 
 @pytest.mark.slow

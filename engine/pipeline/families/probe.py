@@ -42,8 +42,9 @@ def run_layers(layer_list: LayerList, x: Any) -> Any:
     built: dict[str, nn.Module] = {}
     for layer in layer_list.layers:
         if isinstance(layer.entry, TiedLayerSpec):
-            shared = built.setdefault(layer.entry.key, layer.entry.build())
-            x = layer.entry.forward_fn(shared, x)
+            if layer.entry.key not in built:  # built once: the tied module is shared by both ends
+                built[layer.entry.key] = layer.entry.build()
+            x = layer.entry.forward_fn(built[layer.entry.key], x)
         else:
             x = layer.entry(x)
     return x
