@@ -11,6 +11,7 @@ and reads the result this process writes to ``OUT_JSON``: ``{"status": "ok" | "f
 * ``gpt2_deepspeed``: the same GPT-2 on native DeepSpeed with the config smp2ds builds (the losses the
   ``gpt2`` cases are held to, by the parent).
 * ``time``: median step time of one runner (plain PyTorch, native DeepSpeed, smp2ds) on the same GPT-2.
+* ``profile``: per-operator time of one runner's steps under ``torch.profiler`` (``bench/step_profile.py``).
 * ``mlp_compare``: the weights ``examples/train_smp_mlp.py`` dumped against plain PyTorch training.
 """
 
@@ -190,8 +191,9 @@ def _smp2ds(spec: dict, model: Any, ids: torch.Tensor, device: torch.device) -> 
 RUNNERS = {"plain": _plain, "deepspeed": _deepspeed, "smp2ds": _smp2ds}
 
 
-def time_case(spec: dict) -> dict[str, Any]:
-    """Median and best step time of ``spec["runner"]`` after ``spec["warmup"]`` steps."""
+def _warmed_up_runner(spec: dict) -> tuple[Any, torch.device, Any]:
+    """(step function, device, synchronise) of ``spec["runner"]`` on the timing GPT-2 after
+    ``spec["warmup"]`` steps: every runner has trained the same steps when this returns."""
     device = _device(spec)
     size = SIZES[spec["size"]]
     model = _gpt2(size)
@@ -200,9 +202,15 @@ def time_case(spec: dict) -> dict[str, Any]:
     ids = _tokens(size, device)
     step = RUNNERS[spec["runner"]](spec, model, ids, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(spec["warmup"] - spec.get("_steps_taken", 0)):  # every runner trains the same steps
+    for _ in range(spec["warmup"] - spec.get("_steps_taken", 0)):
         step()
     sync()
+    return step, device, sync
+
+
+def time_case(spec: dict) -> dict[str, Any]:
+    """Median and best step time of ``spec["runner"]`` after ``spec["warmup"]`` steps."""
+    step, device, sync = _warmed_up_runner(spec)
     times = []
     loss = None
     for _ in range(spec["steps"]):
@@ -216,6 +224,29 @@ def time_case(spec: dict) -> dict[str, Any]:
         result["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         result["suspects"] = _cuda_suspects(step, device)
     return result
+
+
+def profile_case(spec: dict) -> dict[str, Any]:
+    """Per-step time of every operator of ``spec["runner"]`` under ``torch.profiler`` (after warm-up): device
+    self time on cuda, host self time always, and the host wall time of a profiled step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, device, sync = _warmed_up_runner(spec)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    steps = spec["steps"]
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        wall = (time.perf_counter() - start) / steps
+    ops = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0.0) or 0.0
+        ops.append({"name": event.key, "calls": event.count / steps, "device_ms": device_us / steps / 1e3,
+                    "host_ms": event.self_cpu_time_total / steps / 1e3})
+    return {"status": "ok", "wall_ms": wall * 1e3, "ops": ops,
+            "device_ms": sum(o["device_ms"] for o in ops), "host_ms": sum(o["host_ms"] for o in ops)}
 
 
 def _cuda_suspects(step: Any, device: torch.device, steps: int = 3) -> str:
@@ -348,7 +379,8 @@ def mlp_compare(spec: dict) -> dict[str, Any]:
                       f"tensor's largest weight (allowed {tol})"}
 
 
-CASES = {"time": time_case, "gpt2": gpt2_case, "gpt2_deepspeed": gpt2_deepspeed_case, "mlp_compare": mlp_compare}
+CASES = {"time": time_case, "profile": profile_case, "gpt2": gpt2_case, "gpt2_deepspeed": gpt2_deepspeed_case,
+         "mlp_compare": mlp_compare}
 
 
 def main(argv: list[str]) -> int:

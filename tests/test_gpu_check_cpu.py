@@ -66,6 +66,20 @@ def test_failed_runner_has_no_ratio(gpu_check):
     assert all("ratio" not in r for r in rows)
 
 
+def test_rounds_combine_to_median_of_medians_and_best_of_all(gpu_check):
+    def run(median, best, loss):
+        return {"status": "ok", "median_s": median, "best_s": best, "steps": 30, "loss": loss, "peak_gib": 6.4}
+
+    combined = gpu_check.combine_rounds([run(0.103, 0.08, 7.9), run(0.0877, 0.079, 8.1), run(0.0828, 0.081, 8.0)])
+    assert combined["median_s"] == 0.0877 and combined["best_s"] == 0.079
+    assert "round medians ms 103.0 87.7 82.8" in combined["suspects"]
+    assert "losses of later rounds 8.1000 8.0000" in combined["suspects"]
+    failed = {"status": "failed", "detail": "exit 1"}
+    assert gpu_check.combine_rounds([run(0.1, 0.1, 1.0), failed]) is failed
+    single = run(0.1, 0.09, 1.0)
+    assert gpu_check.combine_rounds([single]) is single
+
+
 def test_link_farm_imports_smp2ds_without_site_packages(tmp_path):
     """The bare-image path: with ``-S`` (no site-packages, so no installed smp2ds) the folder of links on
     PYTHONPATH alone provides ``smp2ds.translator`` and ``smdistributed`` from this checkout."""
@@ -78,3 +92,17 @@ def test_link_farm_imports_smp2ds_without_site_packages(tmp_path):
     assert out.returncode == 0, out.stderr
     root = str(BENCH.parent)
     assert out.stdout.split() == [f"{root}/translator/__init__.py", f"{root}/smdistributed/__init__.py"]
+
+
+def test_step_profile_ranks_operators_by_difference_including_ones_only_one_runner_ran():
+    step_profile = _load("step_profile")
+
+    def op(name, ms, calls):
+        return {"name": name, "device_ms": ms, "host_ms": 0.0, "calls": calls}
+
+    ops = {"deepspeed": [op("mm", 19.4, 99), op("copy_", 3.9, 599), op("only_ds", 0.2, 1)],
+           "smp2ds": [op("mm", 19.5, 99), op("copy_", 5.1, 600), op("only_smp", 0.5, 2)]}
+    rows = step_profile.difference(ops, "device_ms", top=3)
+    assert [r[0] for r in rows] == ["copy_", "only_smp", "only_ds"]
+    assert rows[1][1:] == (0.0, 0.5, 0.0, 2)
+    assert rows[0][4] == 600
