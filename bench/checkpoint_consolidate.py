@@ -62,7 +62,7 @@ def write_checkpoint(folder: str, hidden: int, layers: int, vocab: int, position
     """The tp 2 x pp 2 partial files; returns the number of parameters of the full model."""
     import torch
 
-    from smp2ds.engine.tensor_parallel.shards import ShardSpec
+    from smp2ds.engine.nn.parallel.shards import ShardSpec
 
     part = os.path.join(folder, "bench_partial")
     os.makedirs(part, exist_ok=True)

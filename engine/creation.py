@@ -24,6 +24,8 @@ from smp2ds.engine.exceptions import (
     InvalidPartitionIDError,
     StepFunctionCalledError,
 )
+from smp2ds.engine.nn.parallel import marks
+from smp2ds.engine.tensor_parallel import registry
 
 
 def _manual() -> Any:
@@ -59,10 +61,8 @@ def set_partition(module: torch.nn.Module, partition: int, recurse: bool = True)
 
 @contextlib.contextmanager
 def tensor_parallelism(enabled: bool = True, **kwargs: Any) -> Iterator[None]:
-    """Mark modules created inside for tensor parallelism (``smp2ds.engine.tensor_parallel.registry``)."""
-    from smp2ds.engine.tensor_parallel import registry
-
-    with registry.tensor_parallelism(enabled, **kwargs):
+    """Mark modules created inside for tensor parallelism (:mod:`smp2ds.engine.nn.parallel.marks`)."""
+    with marks.tensor_parallelism(enabled, **kwargs):
         yield
 
 
@@ -70,16 +70,13 @@ def set_tensor_parallelism(module: torch.nn.Module, enabled: bool = True, **kwar
     """Mark (or unmark) an existing module tree for tensor parallelism, before ``DistributedModel``."""
     if state.model is not None:
         raise DistributedModelWrappedError("smp.set_tensor_parallelism must come before smp.DistributedModel")
-    from smp2ds.engine.tensor_parallel import registry
 
-    registry.set_tensor_parallelism(module, enabled, **kwargs)
+    marks.set_tensor_parallelism(module, enabled, **kwargs)
 
 
 def tp_register(dist_module: type, init_hook: Callable | None = None, forward_hook: Callable | None = None,
                 return_hook: Callable | None = None) -> Callable[[type], type]:
     """Class decorator registering ``dist_module`` as the tensor-parallel version of the class."""
-    from smp2ds.engine.tensor_parallel import registry
-
     def decorate(cls: type) -> type:
         registry.register(cls, dist_module, init_hook, forward_hook, return_hook)
         return cls
@@ -91,8 +88,6 @@ def tp_register_with_module(module_cls: type, dist_module: type, init_hook: Call
                             forward_hook: Callable | None = None, return_hook: Callable | None = None,
                             translate_functions: tuple[Callable, Callable] | None = None) -> None:
     """Register ``dist_module`` as the tensor-parallel version of an existing class."""
-    from smp2ds.engine.tensor_parallel import registry
-
     registry.register(module_cls, dist_module, init_hook, forward_hook, return_hook)
     if translate_functions is not None:
         state.module_manager.translate_functions.append(tuple(translate_functions))

@@ -369,7 +369,6 @@ SEAMS = {"smp2ds.engine.core.backend_registry"}
 # and an entry that no longer occurs fails too, so the list only shrinks.
 KNOWN_CROSSINGS: set[tuple[str, str]] = {
     ("mics", "data_parallel"),  # MicsBackend subclasses DataParallelBackend
-    ("nn", "tensor_parallel"),  # smp.nn's distributed modules are built from tensor_parallel's layers
     ("tensor_parallel", "data_parallel"),  # TensorParallelBackend subclasses DataParallelBackend
     ("tensor_parallel", "mics"),  # the TP x sdp backend drives the MiCS engine
     ("pipeline", "tensor_parallel"),  # the pipeline shards each stage with tensor parallelism

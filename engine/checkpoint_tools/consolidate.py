@@ -25,7 +25,7 @@ from smp2ds.engine.checkpoint_tools.reading import model_tensors
 from smp2ds.engine.checkpoint_tools.safetensors_stream import StreamWriter
 from smp2ds.engine.checkpoint_tools.shard_rules import Split
 from smp2ds.engine.exceptions import SMPCheckpointError
-from smp2ds.engine.tensor_parallel.shards import ShardSpec
+from smp2ds.engine.nn.parallel.shards import ShardSpec
 
 DEFAULT_RELEASE_BYTES = 256 << 20
 

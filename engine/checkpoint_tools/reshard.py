@@ -35,7 +35,7 @@ from smp2ds.engine.checkpoint_tools.shard_rules import Split
 from smp2ds.engine.core import checkpoint_commit as commit
 from smp2ds.engine.core.checkpoint import SMP2DS_CHECKPOINT_VERSION
 from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedError
-from smp2ds.engine.tensor_parallel.shards import ShardSpec
+from smp2ds.engine.nn.parallel.shards import ShardSpec
 
 
 def cut(full: torch.Tensor, split: Split | None, size: int, rank: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ VOCAB_SUFFIXES = ("word_embedding.weight", "lm_head.weight", "lm_head_bias")
 @dataclass(frozen=True)
 class Split:
     """The full tensor's dimension ``dim`` read as ``blocks`` equal blocks, each cut in tp pieces
-    (the layout of :class:`smp2ds.engine.tensor_parallel.shards.ShardSpec`)."""
+    (the layout of :class:`smp2ds.engine.nn.parallel.shards.ShardSpec`)."""
 
     dim: int
     blocks: int = 1

@@ -35,7 +35,7 @@ from smp2ds.engine.exceptions import SMPInvalidArgumentError
 
 # DistributedModel's is_distributed_* / is_scaled_batch_* queries read tensor parallelism's marks
 # (false everywhere when nothing is marked); a light module (torch only), so imported at once.
-from smp2ds.engine.tensor_parallel import introspect as parameter_roles
+from smp2ds.engine.nn.parallel import introspect as parameter_roles
 from smp2ds.translator.backend_choice import BACKENDS
 
 __all__ = ["make_backend", "parameter_roles", "prepare_groups", "prepare_module"]

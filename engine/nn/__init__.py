@@ -1,7 +1,7 @@
 """``smp.nn``: SMP's tensor-parallel module names.
 
 ``DistributedModule``, ``DistributedLinear`` and ``DistributedEmbedding`` are real tensor-parallel
-modules (:mod:`smp2ds.engine.tensor_parallel.modules`): with ``tensor_parallel_degree`` 1 they are
+modules (:mod:`smp2ds.engine.nn.parallel.modules`): with ``tensor_parallel_degree`` 1 they are
 their plain counterparts, above it each rank holds a shard. ``huggingface.<family>`` holds the
 state-dict translators scripts import. SMP's distributed transformer
 (``DistributedTransformer*``, ``DistributedAttentionLayer``, ``DistributedLayerNorm``) is real
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from smp2ds.engine.nn.flash_attention import FlashAttentionLayer
+from smp2ds.engine.nn.parallel.modules import DistributedEmbedding, DistributedLinear, DistributedModule
 from smp2ds.engine.nn.transformer import DistributedTransformer, DistributedTransformerLMHead
 from smp2ds.engine.nn.transformer_layers import (
     DistributedAttentionLayer,
@@ -21,7 +22,6 @@ from smp2ds.engine.nn.transformer_layers import (
     DistributedTransformerLayer,
     DistributedTransformerOutputLayer,
 )
-from smp2ds.engine.tensor_parallel.modules import DistributedEmbedding, DistributedLinear, DistributedModule
 
 __all__ = [
     "DistributedAttentionLayer", "DistributedEmbedding", "DistributedLayerNorm", "DistributedLinear",

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedError
-from smp2ds.engine.tensor_parallel.modules import DistributedModule
+from smp2ds.engine.nn.parallel.modules import DistributedModule
 
 
 def score_scale(head_size: int, scale_scores: bool, by_layer_idx: bool, layer_idx: int) -> float:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
-from smp2ds.engine.tensor_parallel import group as tp_group
-from smp2ds.engine.tensor_parallel.collectives import copy_to_tp, join_sequence, scatter_sequence
+from smp2ds.engine.nn.parallel import group as tp_group
+from smp2ds.engine.nn.parallel.collectives import copy_to_tp, join_sequence, scatter_sequence
 
 _SPLIT = "_smp2ds_sequence_split"
 

@@ -33,6 +33,7 @@ from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn import sequence_parallel as seq
 from smp2ds.engine.nn import transformer_options as opts
 from smp2ds.engine.nn import vocab_head
+from smp2ds.engine.nn.parallel import group as tp_group
 from smp2ds.engine.nn.transformer_layers import (
     DistributedLayerNorm,
     DistributedTransformerLayer,
@@ -40,7 +41,6 @@ from smp2ds.engine.nn.transformer_layers import (
     init_generator,
     norm,
 )
-from smp2ds.engine.tensor_parallel import group as tp_group
 
 
 class DistributedTransformer(RegionModule):

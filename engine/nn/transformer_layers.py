@@ -33,17 +33,17 @@ from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn import flash_attention as fa
 from smp2ds.engine.nn import sequence_parallel as seq
 from smp2ds.engine.nn import transformer_options as opts
-from smp2ds.engine.tensor_parallel import group as tp_group
-from smp2ds.engine.tensor_parallel import registry, rng
-from smp2ds.engine.tensor_parallel.collectives import (
+from smp2ds.engine.nn.parallel import group as tp_group
+from smp2ds.engine.nn.parallel import marks, rng
+from smp2ds.engine.nn.parallel.collectives import (
     copy_to_tp,
     gather_sequence_linear,
     reduce_from_tp,
     reduce_scatter_sequence,
 )
-from smp2ds.engine.tensor_parallel.modules import DistributedModule
-from smp2ds.engine.tensor_parallel.region import mark_scaled_batch, run_region
-from smp2ds.engine.tensor_parallel.shards import ShardSpec, shard_parameter
+from smp2ds.engine.nn.parallel.modules import DistributedModule
+from smp2ds.engine.nn.parallel.region import mark_scaled_batch, run_region
+from smp2ds.engine.nn.parallel.shards import ShardSpec, shard_parameter
 
 
 class DistributedLayerNorm(torch.nn.LayerNorm, DistributedModule):
@@ -111,7 +111,7 @@ class RegionModule(DistributedModule):
         for m in self.modules():
             if m is not self and isinstance(m, RegionModule):
                 m._inner = True
-            object.__setattr__(m, registry.MARK, registry.Mark(False))
+            marks.keep_whole(m)
         if tp_group.current().size > 1:
             mark_scaled_batch(self)
 

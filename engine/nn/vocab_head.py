@@ -6,10 +6,10 @@ stores ``1/tp`` of the vocabulary's parameters and computes ``1/tp`` of the logi
 token-type embeddings stay whole (they are small). Every tensor keeps its name and full shape in
 ``state_dict()`` (shards are joined), so the translators and checkpoints are unchanged.
 
-* lookup: :func:`~smp2ds.engine.tensor_parallel.layers.vocab_parallel_lookup` (ids outside a rank's rows
+* lookup: :func:`~smp2ds.engine.nn.parallel.layers.vocab_parallel_lookup` (ids outside a rank's rows
   give zeros; the group sums);
 * loss (forward with labels): logits of this rank's vocabulary slice only and the vocab-parallel
-  cross-entropy (:mod:`~smp2ds.engine.tensor_parallel.cross_entropy`): the full ``[N, S, V]`` logits
+  cross-entropy (:mod:`~smp2ds.engine.nn.parallel.cross_entropy`): the full ``[N, S, V]`` logits
   never exist on any rank, and the forward returns ``(loss, None)``;
 * without labels the logits are joined over the group (the caller asked for them).
 """
@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
-from smp2ds.engine.tensor_parallel.collectives import copy_to_tp, gather_last_dim
-from smp2ds.engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from smp2ds.engine.tensor_parallel.group import TPGroup
-from smp2ds.engine.tensor_parallel.layers import make_vocab_parallel
-from smp2ds.engine.tensor_parallel.shards import ShardSpec, shard_parameter
+from smp2ds.engine.nn.parallel.collectives import copy_to_tp, gather_last_dim
+from smp2ds.engine.nn.parallel.cross_entropy import vocab_parallel_cross_entropy
+from smp2ds.engine.nn.parallel.group import TPGroup
+from smp2ds.engine.nn.parallel.layers import make_vocab_parallel
+from smp2ds.engine.nn.parallel.shards import ShardSpec, shard_parameter
 
 
 def split_vocabulary(model: Any, tp: TPGroup) -> None:

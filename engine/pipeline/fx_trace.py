@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from smp2ds.engine.tensor_parallel.group import is_tensor_parallel
+from smp2ds.engine.nn.parallel.group import is_tensor_parallel
 
 _ASSERTS = {torch._assert, operator.eq, getattr(fx._symbolic_trace, "_assert_is_none", None)} - {None}
 

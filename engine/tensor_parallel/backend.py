@@ -19,11 +19,11 @@ import torch
 from smp2ds.engine.core import comm
 from smp2ds.engine.data_parallel.backend import DataParallelBackend
 from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.nn.parallel.group import current
+from smp2ds.engine.nn.parallel.region import first_tensor
+from smp2ds.engine.nn.parallel.shards import full_tensor, local_part, spec_of
 from smp2ds.engine.tensor_parallel import grads, registry
-from smp2ds.engine.tensor_parallel.group import current
 from smp2ds.engine.tensor_parallel.mpu import TensorParallelMPU
-from smp2ds.engine.tensor_parallel.region import first_tensor
-from smp2ds.engine.tensor_parallel.shards import full_tensor, local_part, spec_of
 
 
 class TensorParallelBackend(DataParallelBackend):

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
-from smp2ds.engine.tensor_parallel.group import TPGroup
-from smp2ds.engine.tensor_parallel.layers import make_column_parallel, make_row_parallel
-from smp2ds.engine.tensor_parallel.region import make_region
+from smp2ds.engine.nn.parallel.group import TPGroup
+from smp2ds.engine.nn.parallel.layers import make_column_parallel, make_row_parallel
+from smp2ds.engine.nn.parallel.region import make_region
 
 
 @dataclass(frozen=True)

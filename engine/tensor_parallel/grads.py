@@ -22,9 +22,9 @@ from collections.abc import Iterable
 import torch
 
 from smp2ds.engine.core import comm
-from smp2ds.engine.tensor_parallel.group import TPGroup
-from smp2ds.engine.tensor_parallel.region import is_scaled_batch
-from smp2ds.engine.tensor_parallel.shards import spec_of
+from smp2ds.engine.nn.parallel.group import TPGroup
+from smp2ds.engine.nn.parallel.region import is_scaled_batch
+from smp2ds.engine.nn.parallel.shards import spec_of
 
 
 def combine_group_batches(params: Iterable[torch.nn.Parameter], tp: TPGroup) -> None:

@@ -1,8 +1,6 @@
-"""Which modules become tensor-parallel: marks, registrations and the replacement pass.
+"""Which modules become tensor-parallel: registrations and the replacement pass (the marks themselves are
+:mod:`smp2ds.engine.nn.parallel.marks`, re-exported here).
 
-* Marks: ``smp.tensor_parallelism(enabled, **kwargs)`` marks every module *created* inside it
-  (nested contexts override), ``smp.set_tensor_parallelism(module, enabled, **kwargs)`` marks an
-  existing tree. ``model_creation(tensor_parallelism=True)`` enters the first.
 * Registrations: ``smp.tp_register`` / ``smp.tp_register_with_module`` name the distributed class
   for a module class, with SMP's ``init_hook`` / ``forward_hook`` / ``return_hook``; built in:
   ``nn.Linear`` -> ``smp.nn.DistributedLinear``, ``nn.Embedding`` -> ``smp.nn.DistributedEmbedding``.
@@ -19,28 +17,22 @@ import contextlib
 import functools
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from smp2ds.engine.core import comm
+from smp2ds.engine.nn.parallel.group import TPGroup
+from smp2ds.engine.nn.parallel.marks import Mark, mark_of
 from smp2ds.engine.tensor_parallel import families
-from smp2ds.engine.tensor_parallel.group import TPGroup
 
-MARK = "_smp2ds_tp_mark"
 INIT_ARGS = "_smp2ds_init_args"
 
 
 Around = Callable[[torch.nn.Module], contextlib.AbstractContextManager]
 """``around(module)``: a context in which ``module``'s parameters can be read and replaced whole."""
-
-
-@dataclass(frozen=True)
-class Mark:
-    enabled: bool
-    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -52,41 +44,6 @@ class Registration:
 
 
 _REGISTRY: dict[type, Registration] = {}
-_STACK: list[Mark] = []
-_ORIGINAL_INIT: list[Callable] = []
-
-
-# ---- marks ------------------------------------------------------------------------------------
-def _marking_init(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-    _ORIGINAL_INIT[0](self, *args, **kwargs)
-    if _STACK:
-        object.__setattr__(self, MARK, _STACK[-1])
-
-
-@contextlib.contextmanager
-def tensor_parallelism(enabled: bool = True, **kwargs: Any) -> Iterator[None]:
-    """Mark modules created inside for tensor parallelism (innermost context wins)."""
-    if not _STACK:
-        _ORIGINAL_INIT.append(torch.nn.Module.__init__)
-        torch.nn.Module.__init__ = _marking_init  # type: ignore[method-assign]
-    _STACK.append(Mark(bool(enabled), dict(kwargs)))
-    try:
-        yield
-    finally:
-        _STACK.pop()
-        if not _STACK:
-            torch.nn.Module.__init__ = _ORIGINAL_INIT.pop()  # type: ignore[method-assign]
-
-
-def set_tensor_parallelism(module: torch.nn.Module, enabled: bool = True, **kwargs: Any) -> None:
-    """Mark (or unmark) ``module`` and every module below it."""
-    mark = Mark(bool(enabled), dict(kwargs))
-    for m in module.modules():
-        object.__setattr__(m, MARK, mark)
-
-
-def mark_of(module: torch.nn.Module) -> Mark | None:
-    return getattr(module, MARK, None)
 
 
 # ---- registrations ----------------------------------------------------------------------------
@@ -127,7 +84,7 @@ def registration_for(cls: type) -> Registration | None:
 
 def register_builtins() -> None:
     """SMP's built-in registrations (real classes from :mod:`modules`)."""
-    from smp2ds.engine.tensor_parallel.modules import DistributedEmbedding, DistributedLinear
+    from smp2ds.engine.nn.parallel.modules import DistributedEmbedding, DistributedLinear
 
     _REGISTRY.setdefault(torch.nn.Linear, Registration(DistributedLinear))
     _REGISTRY.setdefault(torch.nn.Embedding, Registration(DistributedEmbedding))

@@ -32,9 +32,9 @@ from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.mics.backend import MicsBackend
 from smp2ds.engine.mics.mpu import ShardGroupMPU
 from smp2ds.engine.mics.shard_groups import MicsGroups
+from smp2ds.engine.nn.parallel.group import TPGroup, current
+from smp2ds.engine.nn.parallel.shards import full_tensor, local_part, spec_of
 from smp2ds.engine.tensor_parallel import registry
-from smp2ds.engine.tensor_parallel.group import TPGroup, current
-from smp2ds.engine.tensor_parallel.shards import full_tensor, local_part, spec_of
 
 
 class TensorShardMPU(ShardGroupMPU):

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from smp2ds.engine.core import comm
+from smp2ds.engine.nn.parallel.group import TPGroup, current
+from smp2ds.engine.nn.parallel.shards import full_tensor, local_part
 from smp2ds.engine.tensor_parallel import grads, registry
-from smp2ds.engine.tensor_parallel.group import TPGroup, current
-from smp2ds.engine.tensor_parallel.shards import full_tensor, local_part
 
 
 def shard_before_stages(module: torch.nn.Module) -> TPGroup:

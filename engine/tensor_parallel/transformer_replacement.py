@@ -32,9 +32,10 @@ import torch
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.integrations.transformers_compat import rope_parameters
+from smp2ds.engine.nn.parallel import marks
+from smp2ds.engine.nn.parallel.group import TPGroup, current
+from smp2ds.engine.nn.parallel.shards import local_part
 from smp2ds.engine.tensor_parallel import registry
-from smp2ds.engine.tensor_parallel.group import TPGroup, current
-from smp2ds.engine.tensor_parallel.shards import local_part
 
 REPLACED_CLASSES = ("GPT2LMHeadModel", "GPTNeoForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM", "BertEncoder",
                     "RobertaEncoder")
@@ -54,7 +55,7 @@ def _activation(family: str, field: str, value: str) -> str:
 
 def wants_replacement(module: torch.nn.Module) -> bool:
     """A marked model whose marking context carries SMP distributed-transformer settings."""
-    mark = registry.mark_of(module)
+    mark = marks.mark_of(module)
     return bool(mark is not None and mark.enabled and mark.kwargs)
 
 
@@ -68,8 +69,8 @@ def replace_marked(root: torch.nn.Module) -> torch.nn.Module:
     new = _replace(root, None, owners)
     for owner in owners:
         for m in owner.modules():
-            if registry.mark_of(m) is not None:
-                object.__setattr__(m, registry.MARK, registry.Mark(False))
+            if marks.mark_of(m) is not None:
+                marks.keep_whole(m)
     return new
 
 
@@ -223,7 +224,7 @@ def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
     from smp2ds.engine.nn.transformer import DistributedTransformerLMHead
 
     tp = current()
-    settings = dict(registry.mark_of(hf).kwargs)
+    settings = dict(marks.mark_of(hf).kwargs)
     # weights Hugging Face never initialised (its init skipped by the script) are drawn afresh
     state, _ = with_fresh_weights(hf, hf.state_dict(), hf.config.initializer_range)
     if type(hf).__name__ == "GPTJForCausalLM":
@@ -338,7 +339,7 @@ def encoder_to_distributed_transformer(encoder: torch.nn.Module) -> torch.nn.Mod
     from smp2ds.engine.nn.huggingface import encoder_names
     from smp2ds.engine.nn.transformer import DistributedTransformer
 
-    settings = {k: v for k, v in registry.mark_of(encoder).kwargs.items() if k not in _LM_HEAD_ONLY}
+    settings = {k: v for k, v in marks.mark_of(encoder).kwargs.items() if k not in _LM_HEAD_ONLY}
     new = DistributedTransformer(**encoder_arguments(encoder.config, settings))
     weight = next(encoder.parameters())
     new.to(device=weight.device, dtype=weight.dtype)

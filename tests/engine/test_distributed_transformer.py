@@ -10,7 +10,7 @@ import torch
 import smdistributed.modelparallel.torch as smp
 from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import gpt2 as tr
-from smp2ds.engine.tensor_parallel import registry
+from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.tensor_parallel.transformer_replacement import gpt2_arguments, replace_marked
 from tests.engine.hf_equivalence import assert_same_state
 
@@ -93,7 +93,7 @@ def test_full_smp_state_dict_loads_into_hf_gpt2_with_the_same_logits():
 
 
 def test_marked_gpt2_with_smp_settings_is_replaced_and_keeps_the_hf_call_contract():
-    with registry.tensor_parallelism(fused_softmax=True, attention_in_fp32=True):
+    with marks.tensor_parallelism(fused_softmax=True, attention_in_fp32=True):
         net = hf_gpt2(seed=2)
     ref = hf_gpt2(seed=2)
     new = replace_marked(net)
@@ -108,17 +108,17 @@ def test_marked_gpt2_with_smp_settings_is_replaced_and_keeps_the_hf_call_contrac
     with pytest.raises(SMPUnsupportedError, match="does not take token_type_ids"):
         new(input_ids=x, token_type_ids=x)
     # the in-place route stays for a plain marking, and unmarked models are left alone
-    with registry.tensor_parallelism():
+    with marks.tensor_parallelism():
         plain = hf_gpt2()
     assert replace_marked(plain) is plain
     wrapper = torch.nn.ModuleDict({"lm": net})
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         wrapper["lm"] = hf_gpt2()
     assert isinstance(replace_marked(wrapper)["lm"], smp.nn.DistributedTransformerLMHead)
 
 
 def test_replacement_refuses_cross_attention():
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         cross = hf_gpt2(add_cross_attention=True)
     with pytest.raises(SMPUnsupportedError, match="add_cross_attention=True cannot be replaced"):
         replace_marked(cross)

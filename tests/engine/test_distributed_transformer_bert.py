@@ -11,7 +11,7 @@ import smdistributed.modelparallel.torch as smp
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import bert as bert_tr
 from smp2ds.engine.nn.huggingface import roberta as roberta_tr
-from smp2ds.engine.tensor_parallel import registry
+from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients, assert_same_state
 
@@ -57,7 +57,7 @@ def test_encoder_translators_round_trip_exactly(family, translator):
 @pytest.mark.parametrize(("family", "attn"), [("bert", "eager"), ("bert", "sdpa"), ("roberta", "eager")])
 def test_replaced_encoder_gives_hf_logits_loss_and_gradients(family, attn):
     translate = getattr(bert_tr if family == "bert" else roberta_tr, f"translate_hf_state_dict_to_smdistributed_{family}")
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         net = hf_model(family, 4, attn)
     ref = hf_model(family, 4, attn)
     new = replace_marked(net)
@@ -65,13 +65,13 @@ def test_replaced_encoder_gives_hf_logits_loss_and_gradients(family, attn):
     encoder = getattr(net, family).encoder
     assert isinstance(encoder, smp.nn.DistributedTransformer) and encoder.config is net.config
     assert [type(c).__name__ for c in encoder.seq_layers.children()] == ["DistributedTransformerLayer"] * 2
-    assert all(not (registry.mark_of(m) or registry.Mark(False)).enabled for m in net.modules())  # rest kept whole
+    assert all(not (marks.mark_of(m) or marks.Mark(False)).enabled for m in net.modules())  # rest kept whole
     ids, mask = batch()
     assert_same_logits_loss_and_gradients(net, ref, ids, mask, translate)
 
 
 def test_smp_bert_state_dict_loads_into_hf_with_the_same_logits():
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         net = replace_marked(hf_model("bert", 5))
     net.eval()
     hf = hf_model("bert", 6).eval()
@@ -83,7 +83,7 @@ def test_smp_bert_state_dict_loads_into_hf_with_the_same_logits():
 
 
 def test_bert_decoder_is_refused():
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         net = hf_model("bert", 0, is_decoder=True)
     with pytest.raises(SMPUnsupportedError, match="a BERT/RoBERTa decoder .* cannot be replaced"):
         replace_marked(net)

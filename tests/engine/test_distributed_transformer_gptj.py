@@ -11,7 +11,7 @@ import torch
 import smdistributed.modelparallel.torch as smp
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import gptj as tr
-from smp2ds.engine.tensor_parallel import registry
+from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients, assert_same_state
 
@@ -42,7 +42,7 @@ def test_gptj_translators_round_trip_exactly():
 
 
 def test_replaced_gptj_gives_hf_logits_loss_and_gradients():
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         net = hf_gptj(4)
     ref = hf_gptj(4)
     new = replace_marked(net)
@@ -60,7 +60,7 @@ def test_replaced_gptj_gives_hf_logits_loss_and_gradients():
 
 
 def test_gptj_without_rotary_dim_is_refused():
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         net = hf_gptj(0, rotary_dim=0)
     with pytest.raises(SMPUnsupportedError, match="GPT-J with rotary_dim=0 is not supported"):
         replace_marked(net)

@@ -11,7 +11,7 @@ import torch
 import smdistributed.modelparallel.torch as smp
 from smp2ds.engine.exceptions import SMPInvalidArgumentError
 from smp2ds.engine.nn.huggingface import gptneo as tr
-from smp2ds.engine.tensor_parallel import registry
+from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients, assert_same_state
 
@@ -50,7 +50,7 @@ def test_gptneo_translators_round_trip_exactly_and_drop_the_tied_head():
 
 @pytest.mark.parametrize("layers", [["global", "local"], ["local", "global", "local"]])
 def test_replaced_gptneo_gives_hf_logits_loss_and_gradients(layers):
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         net = hf_neo(4, layers)
     ref = hf_neo(4, layers)
     new = replace_marked(net)
@@ -69,7 +69,7 @@ def test_replaced_gptneo_gives_hf_logits_loss_and_gradients(layers):
 def test_the_window_changes_what_a_local_layer_sees():
     """Not vacuous: with the window the sequence's last positions differ from the all-global model, the
     first `window` positions (which see everything before them either way) do not."""
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         local = replace_marked(hf_neo(4, ["local"])).eval()
         wide = replace_marked(hf_neo(4, ["global"])).eval()
     ids, _ = batch()
@@ -95,7 +95,7 @@ def test_masked_positions_stay_masked_when_unscaled_scores_are_large():
     """GPT-Neo does not scale its fp32 attention scores; with large q/k weights they pass 1e4 in magnitude,
     where SMP's default mask value (-1e4) would let masked (future) positions win. The replacement masks
     with -1e9 as SMP's GPT-Neo replacement does, and still equals Hugging Face."""
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         new = replace_marked(hf_neo(4, ["global", "local"])).eval()
     ref = hf_neo(4, ["global", "local"]).eval()
     with torch.no_grad():

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from smp2ds.engine.nn.huggingface.fresh import initialised
-from smp2ds.engine.tensor_parallel import registry
+from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 
 VOCAB, RANGE = 64, 0.03
@@ -66,7 +66,7 @@ def build(cfg, pretrained: str | None = None) -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(5)
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         if pretrained:
             return tf.AutoModelForCausalLM.from_pretrained(pretrained)
         return tf.AutoModelForCausalLM.from_config(cfg)

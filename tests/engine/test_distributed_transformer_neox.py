@@ -11,7 +11,7 @@ import torch
 import smdistributed.modelparallel.torch as smp
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import gptneox as tr
-from smp2ds.engine.tensor_parallel import registry
+from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients, assert_same_state
 
@@ -55,7 +55,7 @@ def test_smp_signatures_take_the_head_count_of_the_replaced_model(monkeypatch):
     ``translate_hf_state_dict_to_smdistributed_gptneox(state_dict)`` and save with
     ``translate_state_dict_to_hf_gptneox(state_dict, max_seq_len)``: no head count passed."""
     monkeypatch.setattr(tr, "_replaced_heads", [])
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         new = replace_marked(hf_neox(5)).eval()
     pretrained = hf_neox(6).eval()
     new.load_state_dict(tr.translate_hf_state_dict_to_smdistributed_gptneox(pretrained.state_dict()))
@@ -70,7 +70,7 @@ def test_smp_signatures_take_the_head_count_of_the_replaced_model(monkeypatch):
 @pytest.mark.parametrize(("parallel", "factor"), [(True, 0.25), (False, 1.0)])
 def test_replaced_neox_gives_hf_logits_loss_and_gradients(parallel, factor):
     rope = {"rope_theta": 10000.0, "partial_rotary_factor": factor, "rope_type": "default"}
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         net = hf_neox(4, use_parallel_residual=parallel, rope_parameters=rope)
     ref = hf_neox(4, use_parallel_residual=parallel, rope_parameters=rope)
     new = replace_marked(net)
@@ -84,7 +84,7 @@ def test_replaced_neox_gives_hf_logits_loss_and_gradients(parallel, factor):
 
 
 def test_smp_neox_state_dict_loads_into_hf_with_the_same_logits():
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         new = replace_marked(hf_neox(5)).eval()
     hf = hf_neox(6).eval()
     hf.load_state_dict(tr.translate_state_dict_to_hf_gptneox(new.state_dict(), num_attention_heads=4), strict=True)
@@ -94,7 +94,7 @@ def test_smp_neox_state_dict_loads_into_hf_with_the_same_logits():
 
 def test_scaled_rotary_is_refused():
     rope = {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "linear", "factor": 2.0}
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         net = hf_neox(0, rope_parameters=rope)
     with pytest.raises(SMPUnsupportedError, match="rope_type='linear' \\(scaled rotary\\) is not supported"):
         replace_marked(net)

@@ -22,7 +22,7 @@ import torch
 
 import smdistributed.modelparallel.torch as smp
 from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedError
-from smp2ds.engine.tensor_parallel import registry
+from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine import transformer_workers as tw
 
@@ -32,7 +32,7 @@ FAMILIES = ["gpt2", "gptneo", "neox", "gptj", "bert"]
 def replaced(family: str, seed: int, **settings) -> torch.nn.Module:
     """The Hugging Face model of ``family`` (transformer_workers' tiny configs, dropout 0) built marked with
     ``settings`` and replaced by SMP's distributed transformer (BERT: its encoder)."""
-    with registry.tensor_parallelism(fused_softmax=True, **settings):
+    with marks.tensor_parallelism(fused_softmax=True, **settings):
         net = tw.hf_of({"family": family, "seed": seed})
     return replace_marked(net)
 

@@ -8,8 +8,8 @@ import warnings
 
 import pytest
 
+from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.tensor_parallel import families
-from smp2ds.engine.tensor_parallel.group import TPGroup
 from smp2ds.translator.model import Layout
 from smp2ds.translator.normalize import normalize
 from smp2ds.translator.planner import plan

@@ -8,10 +8,11 @@ import importlib
 import pytest
 import torch
 
+from smp2ds.engine.nn.parallel import marks
+from smp2ds.engine.nn.parallel.group import TPGroup
+from smp2ds.engine.nn.parallel.layers import make_column_parallel, make_row_parallel
+from smp2ds.engine.nn.parallel.shards import ShardSpec, spec_of
 from smp2ds.engine.tensor_parallel import families, registry
-from smp2ds.engine.tensor_parallel.group import TPGroup
-from smp2ds.engine.tensor_parallel.layers import make_column_parallel, make_row_parallel
-from smp2ds.engine.tensor_parallel.shards import ShardSpec, spec_of
 from tests.engine import tp_workers as tw
 from tests.engine.hf_equivalence import assert_same_state
 
@@ -68,17 +69,17 @@ def test_uneven_head_counts_are_refused_with_the_numbers():
 
 def test_tensor_parallelism_marks_modules_created_inside_and_nesting_overrides():
     init = torch.nn.Module.__init__
-    with registry.tensor_parallelism(fused_softmax=False):
+    with marks.tensor_parallelism(fused_softmax=False):
         outer = torch.nn.Linear(2, 2)
-        with registry.tensor_parallelism(enabled=False):
+        with marks.tensor_parallelism(enabled=False):
             inner = torch.nn.Linear(2, 2)
     after = torch.nn.Linear(2, 2)
-    assert registry.mark_of(outer) == registry.Mark(True, {"fused_softmax": False})
-    assert registry.mark_of(inner).enabled is False and registry.mark_of(after) is None
+    assert marks.mark_of(outer) == marks.Mark(True, {"fused_softmax": False})
+    assert marks.mark_of(inner).enabled is False and marks.mark_of(after) is None
     assert torch.nn.Module.__init__ is init  # patched only inside the context
     tree = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    registry.set_tensor_parallelism(tree)
-    assert all(registry.mark_of(m).enabled for m in tree.modules())
+    marks.set_tensor_parallelism(tree)
+    assert all(marks.mark_of(m).enabled for m in tree.modules())
 
 
 def test_tp_register_records_constructor_arguments_for_init_hook():

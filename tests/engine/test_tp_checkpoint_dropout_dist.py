@@ -17,7 +17,7 @@ from tests._dist import run_ranks
 
 def _grads_with_and_without_checkpointing() -> dict[str, Any]:
     import smdistributed.modelparallel.torch as smp
-    from smp2ds.engine.tensor_parallel import rng
+    from smp2ds.engine.nn.parallel import rng
     from tests.engine.tp_workers import global_ids, hf_model, loss_of
 
     smp.init({"tensor_parallel_degree": 2, "ddp": True})

@@ -21,7 +21,7 @@ from packaging.version import Version
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.integrations import transformers_compat as compat
 from smp2ds.engine.nn.huggingface import gptneox as tr
-from smp2ds.engine.tensor_parallel import registry
+from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients
 
@@ -52,7 +52,7 @@ def test_rotary_settings_reach_the_hf_model_and_are_read_back() -> None:
 
 def test_replaced_neox_with_non_default_rotary_gives_hf_logits_loss_and_gradients(monkeypatch) -> None:
     monkeypatch.setattr(tr, "_replaced_heads", [])
-    with registry.tensor_parallelism(fused_softmax=True):
+    with marks.tensor_parallelism(fused_softmax=True):
         net = _neox(4)
     ref = _neox(4)
     new = replace_marked(net)

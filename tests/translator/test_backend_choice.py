@@ -67,7 +67,7 @@ def test_tensor_parallel_settings_read_back_from_the_plan_with_the_values_given(
 
 
 def test_the_engine_takes_its_tensor_parallel_defaults_from_the_plan_type():
-    from smp2ds.engine.tensor_parallel.group import SINGLE
+    from smp2ds.engine.nn.parallel.group import SINGLE
     from smp2ds.translator.tensor_parallel import TensorParallelSettings
 
     layout = Layout(world_size=2)

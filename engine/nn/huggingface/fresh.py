@@ -60,7 +60,7 @@ def initialised(model: torch.nn.Module) -> dict[str, bool]:
 
 def generator() -> torch.Generator:
     """The next replaced model's fresh-weight stream (the same on every rank)."""
-    from smp2ds.engine.tensor_parallel import rng
+    from smp2ds.engine.nn.parallel import rng
 
     gen = torch.Generator().manual_seed(rng.manager().seed + FRESH_STREAM + _drawn[0])
     _drawn[0] += 1

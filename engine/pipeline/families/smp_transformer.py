@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smp2ds.engine.nn.parallel.group import current
+from smp2ds.engine.nn.parallel.region import run_region
 from smp2ds.engine.pipeline.layers import LayerList, PipeLayer, UnsupportedModelError, tied
-from smp2ds.engine.tensor_parallel.group import current
-from smp2ds.engine.tensor_parallel.region import run_region
 
 FAMILY = "smp.nn.DistributedTransformerLMHead"
 

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from smp2ds.engine.tensor_parallel.collectives import copy_to_tp, reduce_from_tp
-from smp2ds.engine.tensor_parallel.group import TPGroup
-from smp2ds.engine.tensor_parallel.shards import ShardSpec, shard_parameter
+from smp2ds.engine.nn.parallel.collectives import copy_to_tp, reduce_from_tp
+from smp2ds.engine.nn.parallel.group import TPGroup
+from smp2ds.engine.nn.parallel.shards import ShardSpec, shard_parameter
 
 _DERIVED: dict[tuple[type, type], type] = {}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from smp2ds.engine.core import comm
-from smp2ds.engine.tensor_parallel.group import TPGroup
+from smp2ds.engine.nn.parallel.group import TPGroup
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

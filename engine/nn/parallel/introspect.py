@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 import torch
 
-from smp2ds.engine.tensor_parallel.modules import DistributedModule
-from smp2ds.engine.tensor_parallel.region import is_scaled_batch
-from smp2ds.engine.tensor_parallel.shards import spec_of
+from smp2ds.engine.nn.parallel.modules import DistributedModule
+from smp2ds.engine.nn.parallel.region import is_scaled_batch
+from smp2ds.engine.nn.parallel.shards import spec_of
 
 
 def is_distributed_module(module: torch.nn.Module) -> bool:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from smp2ds.engine.core import comm
-from smp2ds.engine.tensor_parallel.group import TPGroup
+from smp2ds.engine.nn.parallel.group import TPGroup
 
 
 def _all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

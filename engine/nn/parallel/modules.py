@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
-from smp2ds.engine.tensor_parallel import group as tp_group
-from smp2ds.engine.tensor_parallel import rng
-from smp2ds.engine.tensor_parallel.collectives import copy_to_tp, gather_last_dim
-from smp2ds.engine.tensor_parallel.layers import vocab_parallel_lookup
-from smp2ds.engine.tensor_parallel.region import mark_scaled_batch, run_region
-from smp2ds.engine.tensor_parallel.shards import ShardSpec, shard_parameter
+from smp2ds.engine.nn.parallel import group as tp_group
+from smp2ds.engine.nn.parallel import rng
+from smp2ds.engine.nn.parallel.collectives import copy_to_tp, gather_last_dim
+from smp2ds.engine.nn.parallel.layers import vocab_parallel_lookup
+from smp2ds.engine.nn.parallel.region import mark_scaled_batch, run_region
+from smp2ds.engine.nn.parallel.shards import ShardSpec, shard_parameter
 
 
 class DistributedModule(torch.nn.Module):

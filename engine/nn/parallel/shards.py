@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from smp2ds.engine.core import comm
-from smp2ds.engine.tensor_parallel.group import TPGroup
+from smp2ds.engine.nn.parallel.group import TPGroup
 
 ATTR = "_smp2ds_shard"
 
