@@ -350,8 +350,8 @@ LAYERS: dict[str, set[str]] = {
     "amp": {"exceptions", "core"},
     "integrations": {"exceptions", "core"},
     "nn": {"exceptions", "core", "integrations"},
-    "data_parallel": {"exceptions", "core"},
-    "mics": {"exceptions", "core"},
+    "data_parallel": {"exceptions", "core", "nn"},
+    "mics": {"exceptions", "core", "nn"},
     "tensor_parallel": {"exceptions", "core", "nn", "integrations"},
     "pipeline": {"exceptions", "core", "nn", "integrations"},
     # `smp2ds checkpoint` (offline): reads checkpoints with the shard rules of the parallelism that wrote them
@@ -369,9 +369,6 @@ SEAMS = {"smp2ds.engine.core.backend_registry"}
 # and an entry that no longer occurs fails too, so the list only shrinks.
 KNOWN_CROSSINGS: set[tuple[str, str]] = {
     ("mics", "data_parallel"),  # MicsBackend subclasses DataParallelBackend
-    ("tensor_parallel", "data_parallel"),  # TensorParallelBackend subclasses DataParallelBackend
-    ("tensor_parallel", "mics"),  # the TP x sdp backend drives the MiCS engine
-    ("pipeline", "tensor_parallel"),  # the pipeline shards each stage with tensor parallelism
 }
 
 

@@ -3,15 +3,18 @@ enforces it): the backend for a ``DistributedModel``, the one the Plan names (th
 :mod:`smp2ds.translator.backend_choice`, so ``smp2ds explain`` shows what runs), and the few things
 a parallelism package owns that core needs before or besides it.
 
-Backends, by the Plan's ``/engine/backend/name``:
+Here the parallelisms are composed, so that no parallelism package imports another: with tensor
+parallelism the model first goes through :func:`smp2ds.engine.tensor_parallel.parallelize.parallelize`
+(sharded in place; one path for every layout), and the backend that drives the DeepSpeed engine gets
+the sharded model's view. Backends, by the Plan's ``/engine/backend/name``:
 
-* ``pipeline``: :class:`smp2ds.engine.pipeline.backend.PipelineBackend` (with tensor parallelism
-  too: it shards the model over each stage's tensor-parallel group,
-  :mod:`smp2ds.engine.tensor_parallel.stages`);
-* ``tensor-parallel``: :mod:`smp2ds.engine.tensor_parallel.backend` (tensor parallelism with DDP or
-  ZeRO-1 over the reduced-data-parallel group);
-* ``tensor-parallel+mics``: :class:`smp2ds.engine.tensor_parallel.sharded_data.TensorShardedBackend`
-  (ZeRO-3 over shard groups inside the rdp group);
+* ``pipeline``: :class:`smp2ds.engine.pipeline.backend.PipelineBackend` (DeepSpeed's pipeline engine;
+  with tensor parallelism the whole model is sharded before the stages are cut);
+* ``tensor-parallel``: :class:`smp2ds.engine.data_parallel.backend.DataParallelBackend` with the
+  sharded model (DDP or ZeRO-1 over the reduced-data-parallel group, DeepSpeed's ``mpu`` from the view);
+* ``tensor-parallel+mics``: :class:`smp2ds.engine.mics.backend.MicsBackend` with the sharded model
+  (ZeRO-3 over shard groups inside the rdp group; a model born partitioned is sharded block by block,
+  :mod:`smp2ds.engine.mics.born_partitioned`);
 * ``mics``: :class:`smp2ds.engine.mics.backend.MicsBackend`;
 * ``deepspeed-data-parallel``: :class:`smp2ds.engine.data_parallel.backend.DataParallelBackend`
   (DDP, or ZeRO-1 for ``shard_optimizer_state``).
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.core.backend import Backend
+from smp2ds.engine.core.tensor_parallel_view import TensorParallelView
 from smp2ds.engine.exceptions import SMPInvalidArgumentError
 
 # DistributedModel's is_distributed_* / is_scaled_batch_* queries read tensor parallelism's marks
@@ -49,25 +53,34 @@ def make_backend(module: Any, state: Any) -> Backend:
     if name == "pipeline":
         from smp2ds.engine.pipeline.backend import PipelineBackend  # start-up: DeepSpeed's pipeline package
 
-        return PipelineBackend(module, state=state, microbatches=microbatches)
-    if name == "tensor-parallel+mics":
-        from smp2ds.engine.tensor_parallel.sharded_data import TensorShardedBackend  # start-up: only when chosen
-
-        return TensorShardedBackend(module, state=state, microbatches=microbatches)
-    if name == "tensor-parallel":
-        from smp2ds.engine.tensor_parallel.backend import create_backend  # start-up: only when chosen
-
-        return create_backend(module, state=state, microbatches=microbatches)
-    if name == "mics":
+        return PipelineBackend(module, state=state, microbatches=microbatches, tensor_parallel=_parallelize(module))
+    if name in ("tensor-parallel+mics", "mics"):
         from smp2ds.engine.mics.backend import MicsBackend  # start-up: only when chosen
 
-        return MicsBackend(module, state=state, microbatches=microbatches)
-    if name == "deepspeed-data-parallel":
-        from smp2ds.engine.data_parallel.backend import DataParallelBackend  # start-up: only when chosen
+        view = None
+        if name == "tensor-parallel+mics":
+            from smp2ds.engine.mics.born_partitioned import sharding_around  # start-up: only when chosen
 
+            view = _parallelize(module, around=sharding_around(module, state.plan.deepspeed, microbatches,
+                                                                state.mics_groups))
+        return MicsBackend(module, state=state, microbatches=microbatches, tensor_parallel=view)
+    from smp2ds.engine.data_parallel.backend import DataParallelBackend  # start-up: only when chosen
+
+    if name == "tensor-parallel":
+        view = _parallelize(module)
+        return DataParallelBackend(module, dict(state.plan.deepspeed), microbatches=microbatches,
+                                   init_kwargs={"mpu": view.deepspeed_mpu(state.groups)}, tensor_parallel=view)
+    if name == "deepspeed-data-parallel":
         return DataParallelBackend(module, dict(state.plan.deepspeed), microbatches=microbatches)
     raise SMPInvalidArgumentError(f"the Plan's /engine/backend/name is {name!r}; this engine has the backends "
                                   f"{', '.join(BACKENDS)} (was the Plan made by another smp2ds version?)")
+
+
+def _parallelize(module: torch.nn.Module, around: Any = None) -> TensorParallelView:
+    """The tensor-parallel package's one entry: ``module`` sharded over this rank's group (nothing at degree 1)."""
+    from smp2ds.engine.tensor_parallel.parallelize import parallelize  # start-up: only when a backend is built
+
+    return parallelize(module, around=around)
 
 
 def prepare_module(module: torch.nn.Module) -> torch.nn.Module:

@@ -1,10 +1,12 @@
-"""The DeepSpeed engine behind a ``DistributedModel`` for data parallelism (DDP or ZeRO-1).
+"""The DeepSpeed engine behind a ``DistributedModel`` for data parallelism (DDP or ZeRO-1), with or without
+tensor parallelism.
 
 :class:`DataParallelBackend` implements :class:`smp2ds.engine.core.backend.Backend` by running
 the micro-batch loop in this process. The MiCS backend (``smp2ds.engine.mics.backend``) reuses it
-with its own ``initialize`` (ZeRO-3 inside shard groups); the pipeline backend
-(``smp2ds.engine.pipeline.backend``) reuses its precision and optimizer-state members and hands
-the whole mini-batch to DeepSpeed's pipeline engine.
+with its own ``initialize`` (ZeRO-3 inside shard groups). With tensor parallelism the backend registry
+hands it the model ``parallelize`` sharded (a :class:`~smp2ds.engine.core.tensor_parallel_view.TensorParallelView`)
+and DeepSpeed's ``mpu`` for it: DeepSpeed then runs data parallelism over the reduced-data-parallel group,
+the state dicts join and cut shards, and the group's per-rank gradients are combined before the reduction.
 
 Gradient timing matches SMP: every micro-batch's ``model.backward`` only accumulates locally;
 after the micro-batch loop of every ``backward_passes_per_step``-th step call the gradients are
@@ -24,16 +26,17 @@ import torch
 from smp2ds.engine.core import deepspeed_config as dsc
 from smp2ds.engine.core import deepspeed_optimizer as dso
 from smp2ds.engine.core.state import state
+from smp2ds.engine.core.tensor_parallel_view import TensorParallelView
 from smp2ds.engine.exceptions import SMPUnsupportedError
 
 Initialize = Callable[..., Any]
 """``deepspeed.initialize``-shaped: (model=, optimizer=, config=, ...) -> (engine, optimizer, ...)."""
 
 
-def _deepspeed_initialize(*, model: torch.nn.Module, optimizer: Any, config: dict, **_: Any) -> tuple:
-    import deepspeed
+def _deepspeed_initialize(*, model: torch.nn.Module, optimizer: Any, config: dict, mpu: Any = None, **_: Any) -> tuple:
+    import deepspeed  # start-up: DeepSpeed is imported when the first engine is built
 
-    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
 
 
 def _allow_cpu_fp16(ds: dict) -> None:
@@ -73,8 +76,16 @@ class DataParallelBackend:
     """``clip_master_grads`` clips (the engine does not clip at a configured value by itself)."""
 
     def __init__(self, module: torch.nn.Module, plan_ds: dict, *, microbatches: int,
-                 initialize: Initialize | None = None, init_kwargs: dict | None = None):
+                 initialize: Initialize | None = None, init_kwargs: dict | None = None,
+                 tensor_parallel: TensorParallelView | None = None):
+        """``tensor_parallel``: the model as ``parallelize`` sharded it (``init_kwargs`` then carries its
+        DeepSpeed ``mpu``); None without tensor parallelism."""
         self.module = module
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel is not None:
+            self.name = "tensor-parallel"
+            self.collective_state_dict = True
+        self._before_reduce: Callable[[list[torch.nn.Parameter]], None] | None = None
         self.plan_ds = dict(plan_ds)
         self.microbatches = microbatches
         self._initialize = initialize or _deepspeed_initialize
@@ -103,6 +114,9 @@ class DataParallelBackend:
         self.has_optimizer = optimizer is not None
         if self.has_optimizer:
             self.engine.set_gradient_accumulation_boundary(False)
+            if self.tensor_parallel is not None:
+                self._before_reduce = self.tensor_parallel.gradient_correction(self.module.parameters(),
+                                                                               self.ds_optimizer)
 
     def rebuild(self, optimizer: torch.optim.Optimizer, loss_scale: dsc.LossScaleArgs | None,
                 regroup: Callable[[], None]) -> None:
@@ -136,6 +150,8 @@ class DataParallelBackend:
     def run_step(self, model: Any, step_fn: Any, args: tuple, kwargs: dict) -> list[Any]:
         """Run ``step_fn`` once per micro-batch in this process; returns the per-micro-batch results."""
         self.ensure_built()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.check_equal_batches(args, kwargs)
         pieces = step_fn.split(args, kwargs, self.microbatches)
         outputs = []
         for index, (mb_args, mb_kwargs) in enumerate(pieces):
@@ -178,6 +194,8 @@ class DataParallelBackend:
         """Reduce the accumulated gradients across the data-parallel group (once per optimizer step)."""
         if not self._pending_backward or self.synced:
             return
+        if self._before_reduce is not None:
+            self._before_reduce(list(self.module.parameters()))
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.allreduce_gradients()
         self.synced = True
@@ -219,7 +237,10 @@ class DataParallelBackend:
         """Global norm of the synchronised, unscaled gradients (``inf``/``nan`` on overflow)."""
         self.sync_gradients()
         if self.zero_stage >= 1:
+            # DeepSpeed's ZeRO optimizer computes the norm (with the mpu: shards once, replicas once)
             return dso.zero_grad_norm(self.ds_optimizer, norm_type)
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel.grad_norm(self.module.parameters(), norm_type) / self.loss_scale
         grads = [p.grad.detach().float() for p in self.module.parameters() if p.grad is not None]
         if not grads:
             return torch.tensor(0.0)
@@ -260,14 +281,19 @@ class DataParallelBackend:
         return True
 
     def full_state_dict(self, prefix: str = "", keep_vars: bool = False) -> dict:
-        """The whole module's state dict (every rank holds all of it)."""
+        """The whole module's state dict; tensor-parallel shards joined (a collective over the group)."""
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel.join(self.module.state_dict(prefix=prefix, keep_vars=True), keep_vars)
         return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def local_state_dict(self, prefix: str = "", keep_vars: bool = False) -> dict:
-        """What this rank holds: the whole module under data parallelism."""
+        """What this rank holds: the whole module, or its tensor-parallel shards, under the original names."""
         return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def load_module_state_dict(self, sd: dict, strict: bool = True) -> Any:
+        """Load full tensors (cut to this rank's tensor-parallel shard) or this rank's shards."""
+        if self.tensor_parallel is not None:
+            sd = self.tensor_parallel.cut(self.module.state_dict(keep_vars=True), sd)
         return self.module.load_state_dict(sd, strict=strict)
 
     def local_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:

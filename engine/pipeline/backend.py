@@ -5,6 +5,16 @@ and the recorded loss; this backend maps the SMP objects' calls onto it. Loss sc
 optimizer state go through :mod:`smp2ds.engine.core.deepspeed_optimizer`, as for data parallelism
 (DeepSpeed's optimizer wrappers are the same); the engine cannot be rebuilt around new parameter
 groups (``can_rebuild_optimizer`` is False).
+
+With tensor parallelism the backend registry hands it the model ``parallelize`` sharded before the cut
+(each stage's blocks are then tensor-parallel regions over the stage's group). DeepSpeed's ``PipelineEngine``
+runs on the SMP layout's ``ProcessTopology`` (axes pipe/data/model): activations travel between the ranks
+of the same tensor-parallel and data-parallel coordinates, and its gradient reduction runs over the data
+axis, the reduced-data-parallel group. The view's gradient correction runs before the step's reductions
+(or per micro-batch by hooks, with DeepSpeed's bf16 optimizer), ``state_dict()`` joins shards, loading cuts
+whole tensors, and the gradient norm counts shards once per group. DeepSpeed's ``pipe_partitioned`` /
+``grad_partitioned`` stay off: with ``prescaled_batch: false`` every tensor-parallel rank's activations are
+its own rows.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import torch
 from smp2ds.engine.core import comm
 from smp2ds.engine.core import deepspeed_optimizer as dso
 from smp2ds.engine.core.deepspeed_config import LossScaleArgs, fp16_block, precision, zero_stage
+from smp2ds.engine.core.tensor_parallel_view import TensorParallelView
 from smp2ds.engine.exceptions import SMPUnsupportedError
 
 
@@ -33,21 +44,36 @@ class PipelineBackend:
     """Stages only run inside ``@smp.step`` (the pipeline schedule drives them)."""
     clips_in_step = False
 
-    def __init__(self, module: Any, *, state: Any, microbatches: int):
+    def __init__(self, module: Any, *, state: Any, microbatches: int,
+                 tensor_parallel: TensorParallelView | None = None):
+        """``tensor_parallel``: the whole model as ``parallelize`` sharded it, before the stages are cut
+        (None without tensor parallelism)."""
         # The engine and optimizer live in the runner.
-        from smp2ds.engine import pipeline
-        from smp2ds.engine.tensor_parallel import stages as tp_stages
+        from smp2ds.engine.pipeline import build_pipeline  # start-up: DeepSpeed's pipeline package
 
         self.module = module
         self.plan_ds = dict(state.plan.deepspeed)
         self.microbatches = microbatches
         self.has_optimizer = False
         self._clip_restore: Callable[[], None] | None = None
-        self.tp = tp_stages.shard_before_stages(module)  # tensor_parallel_degree > 1: shard, then cut
-        self.runner = pipeline.build_pipeline(module, state.plan, state.groups.topology)
-        tp_stages.attach(self.runner, self.tp, precision(self.plan_ds))
+        self.tensor_parallel = tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
+        self.runner = build_pipeline(module, state.plan, state.groups.topology)
+        if self.tensor_parallel is not None:
+            self._attach_tensor_parallel(self.tensor_parallel)
         self._state = state
         self._calls = 0
+
+    def _attach_tensor_parallel(self, view: TensorParallelView) -> None:
+        """Give the runner the view's state-dict maps, and its gradient correction once DeepSpeed's engine
+        (whose optimizer decides between hooks and a correction before the reductions) exists."""
+        runner = self.runner
+        runner.full_tensor = view.full_tensor
+        runner.local_part = view.local_part
+
+        def correct_gradients(engine: Any) -> None:
+            runner.before_reduce = view.gradient_correction(runner.module.parameters(), engine.optimizer)
+
+        runner.on_engine_built = correct_gradients
 
     @property
     def engine(self) -> Any:
@@ -141,14 +167,26 @@ class PipelineBackend:
             return dso.zero_grad_norm(self.ds_optimizer, norm_type)
         # A tied weight (GPT-2's wte/lm_head) has a copy with the full gradient on two stages: count it once.
         params = [p for _, p in self.runner.local_named_parameters(include_replicas=False)]
-        if self.tp.size > 1:
-            from smp2ds.engine.tensor_parallel.stages import stage_grad_norm
-
-            return stage_grad_norm(params, self.tp, self._state.groups.group("pp"), norm_type) / self.loss_scale
+        if self.tensor_parallel is not None:
+            return self._stage_grad_norm(self.tensor_parallel, params, norm_type) / self.loss_scale
         grads = [p.grad.detach().float() for p in params if p.grad is not None]
         local = sum((torch.linalg.vector_norm(g, 2) ** 2 for g in grads), torch.tensor(0.0))
         comm.all_reduce(local, group=self._state.groups.group("pp"))
         return local.sqrt() / self.loss_scale
+
+    def _stage_grad_norm(self, view: TensorParallelView, params: list[torch.nn.Parameter],
+                         norm_type: float) -> torch.Tensor:
+        """Norm over the whole model of this pipeline: each stage's norm (shards summed over the
+        tensor-parallel group, replicated tensors once), then combined over the pipeline's stages.
+        ``params``: this stage's parameters, tied copies on later stages excluded."""
+        pipe_group = self._state.groups.group("pp")
+        if norm_type == float("inf"):
+            stage = view.grad_norm(params, norm_type).clone()
+            comm.all_reduce(stage, op=comm.ReduceOp.MAX, group=pipe_group)
+            return stage
+        total = view.grad_norm(params, norm_type).pow(norm_type)
+        comm.all_reduce(total, group=pipe_group)
+        return total.pow(1.0 / norm_type)
 
     def clip_for_next_step(self, max_norm: float, norm: torch.Tensor) -> None:
         if self.precision == "fp32" and self.zero_stage == 0:

@@ -106,6 +106,9 @@ class PipelineRunner:
         self.before_reduce: Callable[[list[nn.Parameter]], None] | None = None
         """Called with this stage's parameters before the gradient reductions of a step (tensor
         parallelism combines the group's per-rank gradients there)."""
+        self.on_engine_built: Callable[[Any], None] | None = None
+        """Called with DeepSpeed's pipeline engine once it exists (its optimizer decides how tensor
+        parallelism corrects gradients)."""
         self.full_tensor: state.TensorMap | None = None
         """Maps a local tensor to the whole one in ``state_dict()`` (tensor-parallel shards)."""
         self.local_part: state.CutMap | None = None
@@ -304,6 +307,8 @@ class PipelineRunner:
         cfg.setdefault("steps_per_print", 2 ** 31 - 1)
         self.engine, *_ = deepspeed.initialize(model=self.module, optimizer=self._optimizer, config=cfg)
         self._wrap_instructions(self.engine)
+        if self.on_engine_built is not None:
+            self.on_engine_built(self.engine)
 
     def _wrap_instructions(self, engine: Any) -> None:
         """Make the last stage backpropagate each buffer's own loss, and run ``before_reduce``.

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.core.partitioned_params import gathered_whole
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.integrations.transformers_compat import rope_parameters
 from smp2ds.engine.nn.parallel import marks
@@ -85,9 +86,7 @@ def _replace(module: torch.nn.Module, owner: torch.nn.Module | None, owners: lis
             registry.sync_replicas(owner or module, tp)  # every rank of the group takes tp rank 0's weights
         if owner is not None and owner is not module and owner not in owners:
             owners.append(owner)
-        from smp2ds.engine.tensor_parallel.sharded_data import whole
-
-        with whole(owner or module):  # parameters born partitioned (sdp, delayed init) are read whole
+        with gathered_whole(owner or module):  # parameters born partitioned (sdp, delayed init) are read whole
             return _BUILDERS[kind](module)
     for name, child in list(module.named_children()):
         new = _replace(child, owner, owners)

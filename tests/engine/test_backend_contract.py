@@ -1,5 +1,6 @@
-"""The Backend contract at class level: capability flags on every backend, no inheritance between
-the data-parallel and the pipeline backend, the pipeline's refusal to rebuild its engine.
+"""The Backend contract: capability flags on every backend the registry can build (the three engine
+drivers, two of them also with a tensor-parallel model), no inheritance between the data-parallel and the
+pipeline backend, the pipeline's refusal to rebuild its engine.
 
 Conformance of every member's signature is mypy's job (``.ci/typecheck``); the behaviour behind the
 flags is checked through the SMP API in ``test_backends_dist.py`` (forward outside a step, clipping).
@@ -7,27 +8,42 @@ flags is checked through the SMP API in ``test_backends_dist.py`` (forward outsi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from smp2ds.engine.core.backend import Backend
 from smp2ds.engine.data_parallel.backend import DataParallelBackend
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.mics.backend import MicsBackend
 from smp2ds.engine.pipeline.backend import PipelineBackend
-from smp2ds.engine.tensor_parallel.backend import TensorParallelBackend
-from smp2ds.engine.tensor_parallel.sharded_data import TensorShardedBackend
 from smp2ds.translator.backend_choice import BACKENDS
 
 FLAGS = ("cast_io", "collective_state_dict", "can_rebuild_optimizer", "forward_needs_step", "clips_in_step")
 
-# (cast_io, collective_state_dict, can_rebuild_optimizer, forward_needs_step, clips_in_step): what each
-# engine does, as the README describes it (SMP's behaviour per parallelism).
+# A sharded model's view as far as the constructors look at it (its size and whether the group shares one
+# batch); what the view does is tested on real ranks (tests/engine/test_tensor_parallel_dist.py and others).
+SHARDED = SimpleNamespace(size=2, group=SimpleNamespace(prescaled_batch=True))
+STATE = SimpleNamespace(mics_groups=object(), plan=SimpleNamespace(deepspeed={}))
+
+
+def _data_parallel(view=None):
+    return DataParallelBackend(torch.nn.Linear(2, 2), {}, microbatches=1, tensor_parallel=view)
+
+
+def _mics(view=None):
+    return MicsBackend(torch.nn.Linear(2, 2), state=STATE, microbatches=1, tensor_parallel=view)
+
+
+# name -> (build one, (cast_io, collective_state_dict, can_rebuild_optimizer, forward_needs_step, clips_in_step)):
+# what each engine does, as the README describes it (SMP's behaviour per parallelism).
 EXPECTED = {
-    DataParallelBackend: (True, False, True, False, False),
-    MicsBackend: (True, True, True, False, True),
-    TensorParallelBackend: (True, True, True, False, False),
-    TensorShardedBackend: (True, True, True, False, True),
-    PipelineBackend: (False, False, False, True, False),
+    "deepspeed-data-parallel": (_data_parallel, (True, False, True, False, False)),
+    "mics": (_mics, (True, True, True, False, True)),
+    "tensor-parallel": (lambda: _data_parallel(SHARDED), (True, True, True, False, False)),
+    "tensor-parallel+mics": (lambda: _mics(SHARDED), (True, True, True, False, True)),
+    "pipeline": (lambda: object.__new__(PipelineBackend), (False, False, False, True, False)),
 }
 
 
@@ -35,11 +51,14 @@ def test_protocol_declares_every_capability_flag():
     assert set(FLAGS) <= set(Backend.__annotations__)
 
 
-@pytest.mark.parametrize("backend", list(EXPECTED), ids=lambda c: c.__name__)
-def test_every_backend_sets_each_capability_flag(backend):
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_every_backend_sets_each_capability_flag(name):
+    build, expected = EXPECTED[name]
+    backend = build()
     values = tuple(getattr(backend, flag) for flag in FLAGS)
     assert all(isinstance(v, bool) for v in values)
-    assert values == EXPECTED[backend]
+    assert values == expected
+    assert backend.name == name  # make_backend builds, for each name the Plan may carry, a backend of that name
 
 
 def test_pipeline_backend_shares_functions_not_a_base_class():
@@ -54,6 +73,11 @@ def test_pipeline_backend_refuses_to_rebuild_and_leaves_the_groups_alone():
     assert regrouped == []
 
 
-def test_each_backend_is_named_as_the_planner_names_it():
-    # make_backend builds the class whose name the Plan carries; every choice has exactly one class
-    assert sorted(backend.name for backend in EXPECTED) == sorted(BACKENDS)
+def test_the_planner_names_exactly_these_backends():
+    assert sorted(EXPECTED) == sorted(BACKENDS)
+
+
+def test_mics_with_tensor_parallelism_refuses_a_group_that_joins_batches():
+    joining = SimpleNamespace(size=2, group=SimpleNamespace(prescaled_batch=False))
+    with pytest.raises(SMPUnsupportedError, match="needs prescaled_batch: true"):
+        _mics(joining)
