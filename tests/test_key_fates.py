@@ -113,7 +113,7 @@ def test_the_175b_seed_shows_tensor_8_by_pipeline_8_as_run_by_the_engine():
     import json
 
     from smp2ds.translator import normalize, plan
-    from smp2ds.translator.model import Layout
+    from smp2ds.translator.plan_types import Layout
 
     spec = json.loads((ROOT / "examples/configs").joinpath(_seed_175b()).read_text())
     config = normalize(spec)

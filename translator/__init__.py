@@ -13,8 +13,8 @@ from .layout import ResolvedLayout, resolve_layout  # noqa: E402
 # Imported eagerly on purpose: `validate` and `normalize` are also submodule names, and a lazy
 # attribute would be shadowed by the submodule as soon as anything imported it.
 from .load import load_document, parse_json_text  # noqa: E402
-from .model import KeyNote, Layout, Plan, SMPConfig
 from .normalize import normalize  # noqa: E402
+from .plan_types import KeyNote, Layout, Plan, SMPConfig
 from .planner import plan  # noqa: E402
 from .validate import validate  # noqa: E402
 

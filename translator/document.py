@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .model import SourceKind, Strategy
+from .plan_types import SourceKind, Strategy
 
 DISTRIBUTION_KEYS = frozenset({"smdistributed", "mpi", "torch_distributed", "pytorchddp"})
 # Keys that exist only in SMP v2 (docs/smp-semantics.md#smp-v2); their presence makes a bare dict v2.

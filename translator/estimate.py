@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .model import Layout, Plan, SMPConfig
+from .plan_types import Layout, Plan, SMPConfig
 from .topology import Topology
 
 BYTES_PER_PARAM_STATES = 16

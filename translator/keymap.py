@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .layout import params_pointer
-from .model import Fate, KeyNote, SMPConfig
+from .plan_types import Fate, KeyNote, SMPConfig
 from .tensor_parallel import TP_ENGINE, TP_WITH_SDP_UNSUPPORTED, runs
 
 Condition = Callable[[Mapping[str, Any], Any], bool]

@@ -22,7 +22,7 @@ from typing import Any
 from .document import PARAMS_PATH_IN_DISTRIBUTION, pointer_of
 from .instances import gpus_for, processes_for
 from .issues import Issue
-from .model import Layout, SMPConfig
+from .plan_types import Layout, SMPConfig
 
 BATCH_HYPERPARAMETERS: tuple[str, ...] = (
     "per_device_train_batch_size",

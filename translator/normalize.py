@@ -21,7 +21,7 @@ from .document import Document, read_document
 from .issues import Issue, SMPConfigError
 from .layout import check_world, resolve_layout
 from .load import resolve_parameters_file
-from .model import Layout, SMPConfig
+from .plan_types import Layout, SMPConfig
 from .schema_check import SCHEMA_FOR_KIND, schema_issues
 from .semantics import (
     canonical_given,

@@ -20,9 +20,9 @@ from .issues import Issue, SMPConfigError
 from .launcher import launcher_section
 from .layout import ResolvedLayout, check_world, params_pointer, resolve_layout
 from .megatron import megatron_section
-from .model import Layout, Plan, SMPConfig
 from .normalize import fixups
 from .pipeline_schedule import choose_schedule
+from .plan_types import Layout, Plan, SMPConfig
 from .precision import dtype_of, gradient_clipping, precision_blocks
 from .semantics import resolve_v1
 from .tensor_parallel import engine_tensor_parallel, tensor_parallel_block

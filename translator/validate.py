@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from .issues import Issue
-from .model import Layout
 from .normalize import analyse
+from .plan_types import Layout
 
 
 def validate(doc: Any, layout: Layout | None = None) -> list[Issue]:

@@ -1,9 +1,12 @@
 """The ``Backend`` protocol: what ``DistributedModel``, ``DistributedOptimizer``, ``smp.step`` and
 the checkpoint code ask of the parallelism that runs the model.
 
-One backend per DeepSpeed engine it drives (``data_parallel``, ``mics``, ``pipeline``,
-``tensor_parallel``), chosen by :mod:`smp2ds.engine.core.backend_registry` from the Plan. Backends
-share code through functions (:mod:`smp2ds.engine.core.deepspeed_optimizer`), and the core asks a
+One backend per kind of DeepSpeed engine it drives: plain (``data_parallel``: DDP or ZeRO-1), ZeRO-3 over
+MiCS shard groups (``mics``) and the pipeline engine (``pipeline``), each with or without a model that
+tensor parallelism sharded (``tensor_parallel.parallelize``, handed over as a
+:class:`~smp2ds.engine.core.tensor_parallel_view.TensorParallelView`), built by
+:mod:`smp2ds.engine.core.backend_factory` as the Plan says. Backends share code through functions
+(:mod:`smp2ds.engine.core.deepspeed_optimizer`), and the core asks a
 backend what it can do through the capability flags below instead of reading the configuration.
 The core never probes a backend with ``getattr``: every member below exists on every backend, which
 the type checker verifies for each backend class (``mypy``, configured in ``pyproject.toml``).

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from smp2ds.engine.core import comm, launch_env
-from smp2ds.engine.core.backend_registry import prepare_groups
+from smp2ds.engine.core.backend_factory import prepare_groups
 from smp2ds.engine.core.process_groups import create_groups
 from smp2ds.engine.core.state import ConfigView, state
 from smp2ds.engine.diagnostics import failure_report as faults
@@ -30,7 +30,7 @@ from smp2ds.engine.diagnostics import step_log
 from smp2ds.engine.diagnostics.watchdog import Watchdog, timeout_from_env
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.translator.issues import Issue, SMPConfigError
-from smp2ds.translator.model import Layout
+from smp2ds.translator.plan_types import Layout
 
 log = logging.getLogger("smp2ds")
 

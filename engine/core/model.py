@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from smp2ds.engine.core import device_placement, model_io
 from smp2ds.engine.core.backend import Backend
-from smp2ds.engine.core.backend_registry import make_backend, parameter_roles, prepare_module
+from smp2ds.engine.core.backend_factory import make_backend, parameter_roles, prepare_module
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import (
     BwdExecutionNotInStepFnError,

@@ -1,6 +1,6 @@
 """What a backend asks of a tensor-parallel model: the contract between ``parallelize`` (the
 tensor-parallel package) and the backends that drive DeepSpeed engines (plain, MiCS, pipeline), which
-may not import that package. The backend registry hands the one to the other."""
+may not import that package. The backend factory hands the one to the other."""
 
 from __future__ import annotations
 

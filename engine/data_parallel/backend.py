@@ -3,7 +3,7 @@ tensor parallelism.
 
 :class:`DataParallelBackend` implements :class:`smp2ds.engine.core.backend.Backend` by running
 the micro-batch loop in this process. The MiCS backend (``smp2ds.engine.mics.backend``) reuses it
-with its own ``initialize`` (ZeRO-3 inside shard groups). With tensor parallelism the backend registry
+with its own ``initialize`` (ZeRO-3 inside shard groups). With tensor parallelism the backend factory
 hands it the model ``parallelize`` sharded (a :class:`~smp2ds.engine.core.tensor_parallel_view.TensorParallelView`)
 and DeepSpeed's ``mpu`` for it: DeepSpeed then runs data parallelism over the reduced-data-parallel group,
 the state dicts join and cut shards, and the group's per-rank gradients are combined before the reduction.

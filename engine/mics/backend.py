@@ -7,7 +7,7 @@ to reduce after the micro-batch loop; the full state dict is gathered (collectiv
 optimizer partition is indexed by its rank inside the shard group.
 
 With tensor parallelism (SMP 1.15: ``tensor_parallel_degree`` > 1 and ``sharded_data_parallel_degree`` > 1,
-``prescaled_batch: true``) the backend registry hands it the model ``parallelize`` sharded: the MiCS shard
+``prescaled_batch: true``) the backend factory hands it the model ``parallelize`` sharded: the MiCS shard
 groups lie inside the reduced-data-parallel group (the ranks holding the same tensor-parallel shard), each
 rank's shards and the parameters kept whole are ZeRO-3 partitioned over its shard group (about 1/(tp x sdp)
 of the sharded weights, gradients and optimizer state per rank), and DeepSpeed's ``mpu`` answers the

@@ -6,7 +6,7 @@ optimizer state go through :mod:`smp2ds.engine.core.deepspeed_optimizer`, as for
 (DeepSpeed's optimizer wrappers are the same); the engine cannot be rebuilt around new parameter
 groups (``can_rebuild_optimizer`` is False).
 
-With tensor parallelism the backend registry hands it the model ``parallelize`` sharded before the cut
+With tensor parallelism the backend factory hands it the model ``parallelize`` sharded before the cut
 (each stage's blocks are then tensor-parallel regions over the stage's group). DeepSpeed's ``PipelineEngine``
 runs on the SMP layout's ``ProcessTopology`` (axes pipe/data/model): activations travel between the ranks
 of the same tensor-parallel and data-parallel coordinates, and its gradient reduction runs over the data

@@ -37,8 +37,7 @@ from torch import nn
 
 from smp2ds.engine.exceptions import BwdExecutionNotInStepFnError, FwdExecutionNotInStepFnError, SMPRuntimeError
 from smp2ds.engine.pipeline import stage_collectives as collectives
-from smp2ds.engine.pipeline import stage_state_dict as state
-from smp2ds.engine.pipeline import step_inputs
+from smp2ds.engine.pipeline import stage_state_dict, step_inputs
 from smp2ds.engine.pipeline.ds_topology import to_ds_topology
 from smp2ds.engine.pipeline.layers import LayerList, build_layer_list
 from smp2ds.engine.pipeline.module import PlannedPipelineModule
@@ -90,7 +89,7 @@ class PipelineRunner:
             default_partition=settings.default_partition)
         if rank == 0:
             log.info("%s", self.partition.describe())
-        self._names = state.StateNames(model, self.layer_list.buffer_slots)
+        self._names = stage_state_dict.StateNames(model, self.layer_list.buffer_slots)
         self.module = PlannedPipelineModule(self.layer_list.entries, self.partition.parts,
                                             to_ds_topology(topology), loss_fn=self._loss_fn)
         self.stage = self.module.stage_id
@@ -109,9 +108,9 @@ class PipelineRunner:
         self.on_engine_built: Callable[[Any], None] | None = None
         """Called with DeepSpeed's pipeline engine once it exists (its optimizer decides how tensor
         parallelism corrects gradients)."""
-        self.full_tensor: state.TensorMap | None = None
+        self.full_tensor: stage_state_dict.TensorMap | None = None
         """Maps a local tensor to the whole one in ``state_dict()`` (tensor-parallel shards)."""
-        self.local_part: state.CutMap | None = None
+        self.local_part: stage_state_dict.CutMap | None = None
         """Cuts a loaded value to this rank's part in ``load_state_dict`` (tensor-parallel shards)."""
 
     # ---- what DistributedModel delegates to ---------------------------------------------------
@@ -358,18 +357,18 @@ class PipelineRunner:
     # ---- state --------------------------------------------------------------------------------
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and buffers under the original model's keys (CPU copies)."""
-        return state.local_state_dict(self._names, self.module)
+        return stage_state_dict.local_state_dict(self._names, self.module)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model (every stage's part) on every rank of this pipeline; collective over it
         (and over the tensor-parallel group when ``full_tensor`` joins shards)."""
-        local = state.local_state_dict(self._names, self.module, self.full_tensor)
+        local = stage_state_dict.local_state_dict(self._names, self.module, self.full_tensor)
         parts = collectives.all_gather_objects(local, self._pipe_group())
-        return state.merge(parts)
+        return stage_state_dict.merge(parts)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> list[str]:
         """Load the entries this stage holds (from a full or a per-stage dict); keys loaded."""
-        loaded = state.load_local(self._names, self.module, state_dict, strict=strict, cut=self.local_part)
+        loaded = stage_state_dict.load_local(self._names, self.module, state_dict, strict=strict, cut=self.local_part)
         opt = self.engine.optimizer if self.engine is not None else None
         if opt is not None and hasattr(opt, "refresh_fp32_params"):
             opt.refresh_fp32_params()  # ZeRO keeps fp32 master copies of the weights

@@ -63,7 +63,7 @@ def plan_for(cfg: Mapping[str, Any], world_size: int | None = None,
              ds_overrides: Mapping[str, Any] | None = None) -> Any:
     """The translator's Plan for an SMP parameter dict on ``world_size`` ranks (default: pp x tp)."""
     from smp2ds.translator import normalize, plan
-    from smp2ds.translator.model import Layout
+    from smp2ds.translator.plan_types import Layout
 
     if world_size is None:
         pp = cfg.get("pipeline_parallel_degree", cfg.get("partitions", 1))

@@ -16,8 +16,8 @@ from smp2ds.engine.core import activation_checkpointing as ac
 from smp2ds.engine.core.activation_offload import get_offloader, offload_stats, reset_offload_stats
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import SMPInvalidArgumentError
-from smp2ds.translator.model import Layout
 from smp2ds.translator.normalize import normalize
+from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.planner import plan as make_plan
 
 WIDTHS = [8, 12, 16, 12, 10, 6, 4]  # block i maps WIDTHS[i] -> WIDTHS[i+1]

@@ -10,8 +10,8 @@ import pytest
 
 from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.tensor_parallel import families
-from smp2ds.translator.model import Layout
 from smp2ds.translator.normalize import normalize
+from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.planner import plan
 from tests.engine import transformer_workers as tw
 

@@ -24,8 +24,8 @@ from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig  # noqa: E
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
 
 from smp2ds.translator import ds_compat  # noqa: E402
-from smp2ds.translator.model import Layout  # noqa: E402
 from smp2ds.translator.normalize import normalize  # noqa: E402
+from smp2ds.translator.plan_types import Layout  # noqa: E402
 from smp2ds.translator.planner import plan  # noqa: E402
 from smp2ds.translator.precision import fp16_block  # noqa: E402
 from tests._dist import run_ranks  # noqa: E402

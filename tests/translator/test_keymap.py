@@ -8,8 +8,8 @@ import pytest
 
 from smp2ds.schemas import load_schema
 from smp2ds.translator import keymap as km
-from smp2ds.translator.model import Layout
 from smp2ds.translator.normalize import normalize
+from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.planner import plan
 from smp2ds.translator.semantics import v1_defaults
 

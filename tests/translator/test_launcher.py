@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from smp2ds.translator.model import Layout
 from smp2ds.translator.normalize import normalize
+from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.planner import plan
 
 ESTIMATOR = {

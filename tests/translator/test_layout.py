@@ -6,8 +6,8 @@ import pytest
 
 from smp2ds.translator.instances import gpus_for, known_instance_types, processes_for
 from smp2ds.translator.layout import ResolvedLayout, check_world, resolve_layout
-from smp2ds.translator.model import Layout
 from smp2ds.translator.normalize import analyse, normalize
+from smp2ds.translator.plan_types import Layout
 
 P = "/distribution/smdistributed/modelparallel/parameters"
 

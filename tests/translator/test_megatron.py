@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from smp2ds.translator.megatron import deepspeed_axes, megatron_order, same_order
-from smp2ds.translator.model import Layout
 from smp2ds.translator.normalize import normalize
+from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.planner import plan
 from smp2ds.translator.topology import PLACEMENT_ORDERS, Topology
 

@@ -8,8 +8,8 @@ import pytest
 
 from smp2ds.schemas import load_schema
 from smp2ds.translator.issues import SMPConfigError
-from smp2ds.translator.model import Layout
 from smp2ds.translator.normalize import fixups, normalize
+from smp2ds.translator.plan_types import Layout
 
 P = "/distribution/smdistributed/modelparallel/parameters"
 CANONICAL = set(load_schema("smp_v1")["properties"]) - {"partitions"}

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from smp2ds.translator.issues import SMPConfigError
-from smp2ds.translator.model import Layout, SMPConfig
 from smp2ds.translator.normalize import normalize
+from smp2ds.translator.plan_types import Layout, SMPConfig
 from smp2ds.translator.planner import plan
 from smp2ds.translator.semantics import resolve_v1
 
@@ -371,7 +371,7 @@ def test_planning_imports_neither_torch_nor_deepspeed():
         "from smp2ds.translator.normalize import normalize\n"
         "from smp2ds.translator.planner import plan\n"
         "from smp2ds.translator.estimate import estimate\n"
-        "from smp2ds.translator.model import Layout\n"
+        "from smp2ds.translator.plan_types import Layout\n"
         "lay = Layout(world_size=8, gpus_per_node=4, batch_size=8)\n"
         "p = plan(normalize({'sharded_data_parallel_degree': 4, 'ddp': True, 'fp16': True}, lay), lay)\n"
         "estimate(p, 1e9)\n"

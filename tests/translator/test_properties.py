@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from smp2ds.schemas import load_schema
 from smp2ds.translator.document import escape
 from smp2ds.translator.issues import SMPConfigError
-from smp2ds.translator.model import Layout, SMPConfig
 from smp2ds.translator.normalize import normalize
+from smp2ds.translator.plan_types import Layout, SMPConfig
 from smp2ds.translator.validate import validate
 
 PROPS = dict(load_schema("smp_v1")["properties"])

@@ -9,8 +9,8 @@ import pytest
 
 from smp2ds.translator.issues import InputError, SMPConfigError
 from smp2ds.translator.load import load_document, parse_json_text
-from smp2ds.translator.model import Layout
 from smp2ds.translator.normalize import normalize
+from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.schema_check import spell_float, type_hint
 from smp2ds.translator.validate import validate
 

@@ -98,7 +98,7 @@ def layout_from_args(args: argparse.Namespace) -> Any:
     values = {name: getattr(args, name, None) for name in ("world_size", "gpus_per_node", "batch_size")}
     if all(v is None for v in values.values()):
         return None
-    from smp2ds.translator.model import Layout
+    from smp2ds.translator.plan_types import Layout
 
     return Layout(**values)
 

@@ -131,8 +131,8 @@ def _config(args: argparse.Namespace, env: dict[str, str],
     """Findings about ``--config`` and ``SM_HP_MP_PARAMETERS``, and the planned DeepSpeed config."""
     from smp2ds.translator.issues import SMPConfigError
     from smp2ds.translator.load import load_document
-    from smp2ds.translator.model import Layout
     from smp2ds.translator.normalize import normalize
+    from smp2ds.translator.plan_types import Layout
     from smp2ds.translator.planner import plan
 
     findings: list[rules.Finding] = []

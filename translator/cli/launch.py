@@ -243,8 +243,8 @@ def _plan(args: argparse.Namespace, gpus: int) -> tuple[Any, dict[str, Any] | No
     if path is None:
         return None, None, args.nproc_per_node or gpus or 1
     from smp2ds.translator.load import load_document
-    from smp2ds.translator.model import Layout
     from smp2ds.translator.normalize import normalize
+    from smp2ds.translator.plan_types import Layout
     from smp2ds.translator.planner import plan
 
     doc = load_document(path)
