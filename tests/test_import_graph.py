@@ -362,14 +362,12 @@ TOP = {"smp2ds.engine", "smp2ds.engine.creation"}
 """Modules above every package: the public ``smp.*`` surface, which gathers the parallelism packages."""
 
 # The one door from core down to the parallelism packages: it builds the backend the Plan names and
-# hands core the few things a parallelism package owns (issue 22, item 4).
+# hands core the few things a parallelism package owns.
 SEAMS = {"smp2ds.engine.core.backend_factory"}
 
-# Package edges that break the rule today, each to be removed (issue 22); a new one fails the test,
-# and an entry that no longer occurs fails too, so the list only shrinks.
-KNOWN_CROSSINGS: set[tuple[str, str]] = {
-    ("mics", "data_parallel"),  # MicsBackend subclasses DataParallelBackend
-}
+# Package edges allowed against the rule: none. A new one fails the test; an entry added here that no
+# longer occurs fails too, so the list can only shrink.
+KNOWN_CROSSINGS: set[tuple[str, str]] = set()
 
 
 def engine_package(module: str) -> str | None:
@@ -400,9 +398,9 @@ def test_layering_catches_an_upward_import():
                                      Import("smp2ds.engine.core.model", "smp2ds.engine.core.state", 4, False)],
         "smp2ds.engine.core.backend_factory": [
             Import("smp2ds.engine.core.backend_factory", "smp2ds.engine.pipeline.backend", 9, False)],
-        "smp2ds.engine.mics.backend": [
-            Import("smp2ds.engine.mics.backend", "smp2ds.engine.core.backend", 5, True),
-            Import("smp2ds.engine.mics.backend", "smp2ds.engine.tensor_parallel.mpu", 6, True)],
+        "smp2ds.engine.mics.sharding": [
+            Import("smp2ds.engine.mics.sharding", "smp2ds.engine.core.backend", 5, True),
+            Import("smp2ds.engine.mics.sharding", "smp2ds.engine.tensor_parallel.mpu", 6, True)],
     }
     assert list(crossings(made_up)) == [("core", "pipeline")]
 

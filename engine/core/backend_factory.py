@@ -10,14 +10,15 @@ the sharded model's view. Backends, by the Plan's ``/engine/backend/name``:
 
 * ``pipeline``: :class:`smp2ds.engine.pipeline.backend.PipelineBackend` (DeepSpeed's pipeline engine;
   with tensor parallelism the whole model is sharded before the stages are cut);
-* ``tensor-parallel``: :class:`smp2ds.engine.data_parallel.backend.DataParallelBackend` with the
-  sharded model (DDP or ZeRO-1 over the reduced-data-parallel group, DeepSpeed's ``mpu`` from the view);
-* ``tensor-parallel+mics``: :class:`smp2ds.engine.mics.backend.MicsBackend` with the sharded model
-  (ZeRO-3 over shard groups inside the rdp group; a model born partitioned is sharded block by block,
-  :mod:`smp2ds.engine.mics.born_partitioned`);
-* ``mics``: :class:`smp2ds.engine.mics.backend.MicsBackend`;
-* ``deepspeed-data-parallel``: :class:`smp2ds.engine.data_parallel.backend.DataParallelBackend`
-  (DDP, or ZeRO-1 for ``shard_optimizer_state``).
+* ``deepspeed-data-parallel``: :class:`smp2ds.engine.data_parallel.backend.DataParallelBackend` with
+  :class:`~smp2ds.engine.data_parallel.replicated.ReplicatedParameters` (DDP, or ZeRO-1 for
+  ``shard_optimizer_state``);
+* ``tensor-parallel``: the same with the sharded model (DDP or ZeRO-1 over the reduced-data-parallel
+  group, DeepSpeed's ``mpu`` from the view);
+* ``mics``: :class:`~smp2ds.engine.data_parallel.backend.DataParallelBackend` with
+  :class:`~smp2ds.engine.mics.sharding.MicsSharding` (ZeRO-3 inside shard groups);
+* ``tensor-parallel+mics``: the same with the sharded model (shard groups inside the rdp group; a model
+  born partitioned is sharded block by block, :mod:`smp2ds.engine.mics.born_partitioned`).
 
 Besides: ``smp.init``'s set-up of the pipeline's partition registry and the MiCS shard groups
 (:func:`prepare_groups`), SMP's distributed-transformer replacement of a wrapped model
@@ -54,24 +55,27 @@ def make_backend(module: Any, state: Any) -> Backend:
         from smp2ds.engine.pipeline.backend import PipelineBackend  # start-up: DeepSpeed's pipeline package
 
         return PipelineBackend(module, state=state, microbatches=microbatches, tensor_parallel=_parallelize(module))
+    from smp2ds.engine.data_parallel.backend import DataParallelBackend  # start-up: only when chosen
+
+    plan_ds = dict(state.plan.deepspeed)
     if name in ("tensor-parallel+mics", "mics"):
-        from smp2ds.engine.mics.backend import MicsBackend  # start-up: only when chosen
+        from smp2ds.engine.mics.born_partitioned import sharding_around  # start-up: only when chosen
+        from smp2ds.engine.mics.sharding import MicsSharding  # start-up: only when chosen
 
         view = None
         if name == "tensor-parallel+mics":
-            from smp2ds.engine.mics.born_partitioned import sharding_around  # start-up: only when chosen
-
-            view = _parallelize(module, around=sharding_around(module, state.plan.deepspeed, microbatches,
-                                                                state.mics_groups))
-        return MicsBackend(module, state=state, microbatches=microbatches, tensor_parallel=view)
-    from smp2ds.engine.data_parallel.backend import DataParallelBackend  # start-up: only when chosen
-
+            view = _parallelize(module, around=sharding_around(module, plan_ds, microbatches, state.mics_groups))
+        return DataParallelBackend(module, plan_ds, microbatches=microbatches,
+                                   sharding=MicsSharding(state.mics_groups, view), tensor_parallel=view)
     if name == "tensor-parallel":
+        from smp2ds.engine.data_parallel.replicated import ReplicatedParameters  # start-up: only when chosen
+
         view = _parallelize(module)
-        return DataParallelBackend(module, dict(state.plan.deepspeed), microbatches=microbatches,
-                                   init_kwargs={"mpu": view.deepspeed_mpu(state.groups)}, tensor_parallel=view)
+        sharding = ReplicatedParameters(mpu=view.deepspeed_mpu(state.groups), tensor_parallel=view)
+        return DataParallelBackend(module, plan_ds, microbatches=microbatches, sharding=sharding,
+                                   tensor_parallel=view)
     if name == "deepspeed-data-parallel":
-        return DataParallelBackend(module, dict(state.plan.deepspeed), microbatches=microbatches)
+        return DataParallelBackend(module, plan_ds, microbatches=microbatches)
     raise SMPInvalidArgumentError(f"the Plan's /engine/backend/name is {name!r}; this engine has the backends "
                                   f"{', '.join(BACKENDS)} (was the Plan made by another smp2ds version?)")
 

@@ -1,18 +1,21 @@
-"""The DeepSpeed engine behind a ``DistributedModel`` for data parallelism (DDP or ZeRO-1), with or without
-tensor parallelism.
+"""The DeepSpeed engine behind a ``DistributedModel`` for data parallelism, run in this process: DDP or ZeRO-1
+(:mod:`smp2ds.engine.data_parallel.replicated`) or ZeRO-3 inside MiCS shard groups
+(:mod:`smp2ds.engine.mics.sharding`), each with or without tensor parallelism.
 
-:class:`DataParallelBackend` implements :class:`smp2ds.engine.core.backend.Backend` by running
-the micro-batch loop in this process. The MiCS backend (``smp2ds.engine.mics.backend``) reuses it
-with its own ``initialize`` (ZeRO-3 inside shard groups). With tensor parallelism the backend factory
-hands it the model ``parallelize`` sharded (a :class:`~smp2ds.engine.core.tensor_parallel_view.TensorParallelView`)
-and DeepSpeed's ``mpu`` for it: DeepSpeed then runs data parallelism over the reduced-data-parallel group,
-the state dicts join and cut shards, and the group's per-rank gradients are combined before the reduction.
+:class:`DataParallelBackend` implements :class:`smp2ds.engine.core.backend.Backend`: the micro-batch loop, the
+DeepSpeed engine calls, precision and clipping. Where the parameters live, and what follows from it (how the
+engine is initialised, whether gradients are reduced inside backward, the state dicts, the optimizer
+partition), it asks its :class:`~smp2ds.engine.core.parameter_sharding.ParameterSharding`, which the backend
+factory builds. With tensor parallelism it is also given the model ``parallelize`` sharded (a
+:class:`~smp2ds.engine.core.tensor_parallel_view.TensorParallelView`): unequal batches are refused when the
+group joins them, and the group's per-rank gradients are combined before the reduction.
 
 Gradient timing matches SMP: every micro-batch's ``model.backward`` only accumulates locally;
 after the micro-batch loop of every ``backward_passes_per_step``-th step call the gradients are
 reduced once (DeepSpeed's ``allreduce_gradients`` with the accumulation boundary forced, the
 pattern DeepSpeed's own pipeline engine uses). ``optimizer.step()`` then runs DeepSpeed's
-``engine.step()`` at that boundary (overflow check, unscale/clip, update, zero).
+``engine.step()`` at that boundary (overflow check, unscale/clip, update, zero). Under ZeRO-3 the gradients
+are reduce-scattered inside each backward instead, and the step's last backward is the boundary.
 """
 
 from __future__ import annotations
@@ -25,18 +28,10 @@ import torch
 
 from smp2ds.engine.core import deepspeed_config as dsc
 from smp2ds.engine.core import deepspeed_optimizer as dso
-from smp2ds.engine.core.state import state
+from smp2ds.engine.core.parameter_sharding import ParameterSharding
 from smp2ds.engine.core.tensor_parallel_view import TensorParallelView
+from smp2ds.engine.data_parallel.replicated import ReplicatedParameters
 from smp2ds.engine.exceptions import SMPUnsupportedError
-
-Initialize = Callable[..., Any]
-"""``deepspeed.initialize``-shaped: (model=, optimizer=, config=, ...) -> (engine, optimizer, ...)."""
-
-
-def _deepspeed_initialize(*, model: torch.nn.Module, optimizer: Any, config: dict, mpu: Any = None, **_: Any) -> tuple:
-    import deepspeed  # start-up: DeepSpeed is imported when the first engine is built
-
-    return deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
 
 
 def _allow_cpu_fp16(ds: dict) -> None:
@@ -61,35 +56,30 @@ def _allow_cpu_fp16(ds: dict) -> None:
 
 
 class DataParallelBackend:
-    """One DeepSpeed engine (ZeRO stage 0 or 1) over the data-parallel group."""
+    """One DeepSpeed engine over the data-parallel group, parameters placed as ``sharding`` says."""
 
-    name = "deepspeed-data-parallel"
     cast_io = True
     """DistributedModel casts floating inputs to the 16-bit dtype and outputs back to fp32 (SMP's
     16-bit module wrapper); backends whose engine does it themselves set this False."""
-    collective_state_dict = False
     can_rebuild_optimizer = True
     """``rebuild`` works (before the first step): ``add_param_group`` under ZeRO or 16-bit masters."""
     forward_needs_step = False
     """The model may run outside ``@smp.step`` (evaluation code calling it directly)."""
-    clips_in_step = False
-    """``clip_master_grads`` clips (the engine does not clip at a configured value by itself)."""
 
     def __init__(self, module: torch.nn.Module, plan_ds: dict, *, microbatches: int,
-                 initialize: Initialize | None = None, init_kwargs: dict | None = None,
-                 tensor_parallel: TensorParallelView | None = None):
-        """``tensor_parallel``: the model as ``parallelize`` sharded it (``init_kwargs`` then carries its
-        DeepSpeed ``mpu``); None without tensor parallelism."""
+                 sharding: ParameterSharding | None = None, tensor_parallel: TensorParallelView | None = None):
+        """``sharding``: where parameters live (default: replicated, DDP / ZeRO-1, no tensor parallelism);
+        ``tensor_parallel``: the model as ``parallelize`` sharded it (None without tensor parallelism)."""
         self.module = module
-        self.tensor_parallel = tensor_parallel
-        if tensor_parallel is not None:
-            self.name = "tensor-parallel"
-            self.collective_state_dict = True
+        self.sharding: ParameterSharding = sharding if sharding is not None else ReplicatedParameters()
+        self.tensor_parallel = tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
+        self.name: str = self.sharding.name
+        self.collective_state_dict: bool = self.sharding.collective_state_dict
+        self.clips_in_step: bool = self.sharding.clips_in_step
+        """True when DeepSpeed clips inside the step and ``clip_master_grads`` does nothing (SMP's sdp)."""
         self._before_reduce: Callable[[list[torch.nn.Parameter]], None] | None = None
         self.plan_ds = dict(plan_ds)
         self.microbatches = microbatches
-        self._initialize = initialize or _deepspeed_initialize
-        self._init_kwargs = dict(init_kwargs or {})
         self.engine: Any = None
         self.ds_optimizer: Any = None
         self.ds_config: dict | None = None
@@ -97,6 +87,7 @@ class DataParallelBackend:
         self.synced = False
         self._pending_backward = False
         self._clip_restore: Any = None
+        self._step_model: Any = None
 
     # ---- construction --------------------------------------------------------------------
     def build(self, optimizer: torch.optim.Optimizer | None = None,
@@ -108,7 +99,7 @@ class DataParallelBackend:
             self.engine.destroy()
         ds = dsc.engine_config(self.plan_ds, microbatches=self.microbatches, loss_scale=loss_scale)
         _allow_cpu_fp16(ds)
-        result = self._initialize(model=self.module, optimizer=optimizer, config=ds, **self._init_kwargs)
+        result = self.sharding.initialize(model=self.module, optimizer=optimizer, config=ds)
         self.engine, self.ds_optimizer = result[0], result[1]
         self.ds_config = ds
         self.has_optimizer = optimizer is not None
@@ -154,9 +145,13 @@ class DataParallelBackend:
             self.tensor_parallel.check_equal_batches(args, kwargs)
         pieces = step_fn.split(args, kwargs, self.microbatches)
         outputs = []
-        for index, (mb_args, mb_kwargs) in enumerate(pieces):
-            with model.microbatch_scope(index, len(pieces)):
-                outputs.append(step_fn.func(*mb_args, **mb_kwargs))
+        self._step_model = model
+        try:
+            for index, (mb_args, mb_kwargs) in enumerate(pieces):
+                with model.microbatch_scope(index, len(pieces)):
+                    outputs.append(step_fn.func(*mb_args, **mb_kwargs))
+        finally:
+            self._step_model = None
         return outputs
 
     def train(self, mode: bool) -> None:
@@ -170,7 +165,7 @@ class DataParallelBackend:
     @property
     def optimizer_state_is_sharded(self) -> bool:
         """True when every rank holds a different part of the optimizer state (one file per rank)."""
-        return self.zero_stage >= 1
+        return self.sharding.optimizer_state_is_sharded(self.zero_stage)
 
     def step_backward(self, tensors: Any, grad_tensors: Any, microbatches: int, average: bool) -> None:
         """``model.backward(tensors, grad_tensors)`` for one micro-batch (SMP semantics)."""
@@ -186,13 +181,29 @@ class DataParallelBackend:
         if not self.has_optimizer:
             raise RuntimeError("model.backward needs smp.DistributedOptimizer(...) to be created first "
                                "(DeepSpeed builds its engine around the optimizer)")
-        self.engine.backward(loss, scale_wrt_gas=False)
+        # ZeRO-3: the step's last backward before optimizer.step() runs as DeepSpeed's accumulation boundary, so
+        # MiCS's replica all-reduce overlaps it (smp2ds.engine.mics.overlap); other backwards keep the boundary
+        # off (their partitions are not final).
+        model = self._step_model
+        boundary = self.sharding.reduces_in_backward and model is not None and model.ends_accumulation()
+        if boundary:
+            self.engine.set_gradient_accumulation_boundary(True)
+        try:
+            self.engine.backward(loss, scale_wrt_gas=False)
+        finally:
+            if boundary:
+                self.engine.set_gradient_accumulation_boundary(False)
         self._pending_backward = True
         self.synced = False
 
     def sync_gradients(self) -> None:
         """Reduce the accumulated gradients across the data-parallel group (once per optimizer step)."""
         if not self._pending_backward or self.synced:
+            return
+        if self.sharding.reduces_in_backward:
+            # ZeRO-3 already reduce-scattered each micro-batch inside backward; MiCS's replica all-reduce
+            # runs inside optimizer.step (installed by mics.initialize).
+            self.synced = True
             return
         if self._before_reduce is not None:
             self._before_reduce(list(self.module.parameters()))
@@ -235,6 +246,9 @@ class DataParallelBackend:
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Global norm of the synchronised, unscaled gradients (``inf``/``nan`` on overflow)."""
+        if self.clips_in_step:
+            raise SMPUnsupportedError("clip_master_grads with sharded data parallelism: DeepSpeed clips inside the "
+                                      "step; set sdp_gradient_clipping in the configuration instead")
         self.sync_gradients()
         if self.zero_stage >= 1:
             # DeepSpeed's ZeRO optimizer computes the norm (with the mpu: shards once, replicas once)
@@ -268,7 +282,7 @@ class DataParallelBackend:
 
     def optimizer_partition(self) -> tuple[int, int]:
         """(index, count) of this rank's optimizer-state partition in DeepSpeed's data-parallel group."""
-        return state.groups.coords.rdp_rank, state.groups.topology.rdp
+        return self.sharding.optimizer_partition()
 
     def load_optimizer_state_dict(self, sd: dict) -> None:
         """Load this rank's optimizer state (its ZeRO-1 partition when sharded)."""
@@ -281,20 +295,16 @@ class DataParallelBackend:
         return True
 
     def full_state_dict(self, prefix: str = "", keep_vars: bool = False) -> dict:
-        """The whole module's state dict; tensor-parallel shards joined (a collective over the group)."""
-        if self.tensor_parallel is not None:
-            return self.tensor_parallel.join(self.module.state_dict(prefix=prefix, keep_vars=True), keep_vars)
-        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        """Every tensor whole under its original name (a collective when ``collective_state_dict``)."""
+        return self.sharding.full_state_dict(self, prefix, keep_vars)
 
     def local_state_dict(self, prefix: str = "", keep_vars: bool = False) -> dict:
-        """What this rank holds: the whole module, or its tensor-parallel shards, under the original names."""
-        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        """What this rank's partial checkpoint holds, under the original names."""
+        return self.sharding.local_state_dict(self, prefix, keep_vars)
 
     def load_module_state_dict(self, sd: dict, strict: bool = True) -> Any:
-        """Load full tensors (cut to this rank's tensor-parallel shard) or this rank's shards."""
-        if self.tensor_parallel is not None:
-            sd = self.tensor_parallel.cut(self.module.state_dict(keep_vars=True), sd)
-        return self.module.load_state_dict(sd, strict=strict)
+        """Load full tensors (cut to this rank's part) or this rank's shards."""
+        return self.sharding.load_module_state_dict(self, sd, strict)
 
     def local_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return self.module.named_parameters()
@@ -303,9 +313,9 @@ class DataParallelBackend:
         return self.module.modules()
 
     def param_shard_rank(self) -> int:
-        """SMP's ``param_shard_rank``: 0 when parameters are not sharded."""
-        return 0
+        """SMP's ``param_shard_rank``: this rank's place among the ranks sharing its parameters (0: none)."""
+        return self.sharding.param_shard_rank()
 
     def param_shard_size(self) -> int:
-        """SMP's ``param_shard_size``: 1 when parameters are not sharded."""
-        return 1
+        """SMP's ``param_shard_size``: ranks sharing one copy of the parameters (1: not sharded)."""
+        return self.sharding.param_shard_size()

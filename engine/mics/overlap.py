@@ -27,7 +27,7 @@ reduced again in the same window (a second backward before ``step``, reentrant c
 a new backward begins before ``step`` (``backward_prologue``), or a gradient is set through
 DeepSpeed's ``set_local_grad_for_param`` / ``set_fp32_grad_for_param``. Backwards that are not
 marked as the boundary (in SMP's ``@smp.step`` path every backward but the step's last micro-batch
-before ``optimizer.step()``, see ``MicsBackend.backward``; DeepSpeed's unmanaged accumulation)
+before ``optimizer.step()``, see ``DataParallelBackend.backward``; DeepSpeed's unmanaged accumulation)
 issue nothing and keep the synchronous path.
 
 Cost: from the first bucket of the boundary backward until ``step``, a copy of the partitions

@@ -1,6 +1,6 @@
-"""The Backend contract: capability flags on every backend the registry can build (the three engine
-drivers, two of them also with a tensor-parallel model), no inheritance between the data-parallel and the
-pipeline backend, the pipeline's refusal to rebuild its engine.
+"""The Backend contract: capability flags on every backend the factory can build (the data-parallel backend
+with replicated or MiCS-sharded parameters, and the pipeline backend; the first two also with a
+tensor-parallel model), no inheritance between backends, the pipeline's refusal to rebuild its engine.
 
 Conformance of every member's signature is mypy's job (``.ci/typecheck``); the behaviour behind the
 flags is checked through the SMP API in ``test_backends_dist.py`` (forward outside a step, clipping).
@@ -15,8 +15,9 @@ import torch
 
 from smp2ds.engine.core.backend import Backend
 from smp2ds.engine.data_parallel.backend import DataParallelBackend
+from smp2ds.engine.data_parallel.replicated import ReplicatedParameters
 from smp2ds.engine.exceptions import SMPUnsupportedError
-from smp2ds.engine.mics.backend import MicsBackend
+from smp2ds.engine.mics.sharding import MicsSharding
 from smp2ds.engine.pipeline.backend import PipelineBackend
 from smp2ds.translator.backend_choice import BACKENDS
 
@@ -25,15 +26,17 @@ FLAGS = ("cast_io", "collective_state_dict", "can_rebuild_optimizer", "forward_n
 # A sharded model's view as far as the constructors look at it (its size and whether the group shares one
 # batch); what the view does is tested on real ranks (tests/engine/test_tensor_parallel_dist.py and others).
 SHARDED = SimpleNamespace(size=2, group=SimpleNamespace(prescaled_batch=True))
-STATE = SimpleNamespace(mics_groups=object(), plan=SimpleNamespace(deepspeed={}))
+GROUPS = SimpleNamespace()  # MiCS shard groups: not read until the engine is built
 
 
 def _data_parallel(view=None):
-    return DataParallelBackend(torch.nn.Linear(2, 2), {}, microbatches=1, tensor_parallel=view)
+    sharding = ReplicatedParameters(tensor_parallel=view)
+    return DataParallelBackend(torch.nn.Linear(2, 2), {}, microbatches=1, sharding=sharding, tensor_parallel=view)
 
 
 def _mics(view=None):
-    return MicsBackend(torch.nn.Linear(2, 2), state=STATE, microbatches=1, tensor_parallel=view)
+    sharding = MicsSharding(GROUPS, view)
+    return DataParallelBackend(torch.nn.Linear(2, 2), {}, microbatches=1, sharding=sharding, tensor_parallel=view)
 
 
 # name -> (build one, (cast_io, collective_state_dict, can_rebuild_optimizer, forward_needs_step, clips_in_step)):
@@ -61,8 +64,12 @@ def test_every_backend_sets_each_capability_flag(name):
     assert backend.name == name  # make_backend builds, for each name the Plan may carry, a backend of that name
 
 
-def test_pipeline_backend_shares_functions_not_a_base_class():
-    assert DataParallelBackend not in PipelineBackend.__mro__
+def test_backends_share_functions_not_base_classes():
+    # one class drives the in-process engines (placement of parameters is a ParameterSharding it is given),
+    # one the pipeline engine; neither derives from another backend
+    assert DataParallelBackend.__mro__ == (DataParallelBackend, object)
+    assert PipelineBackend.__mro__ == (PipelineBackend, object)
+    assert MicsSharding.__mro__ == (MicsSharding, object) and ReplicatedParameters.__mro__[1:] == (object,)
 
 
 def test_pipeline_backend_refuses_to_rebuild_and_leaves_the_groups_alone():
