@@ -9,6 +9,7 @@ same storage choice; it has no prefetch horizon, so that part stays with the eng
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -23,10 +24,21 @@ def activation_block(params: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def engine_activation(params: Mapping[str, Any]) -> dict[str, Any]:
-    """What the engine does itself: the modules come from the script, the horizon from the config."""
-    return {
-        "offload": bool(params.get("offload_activations", False)),
-        "loading_horizon": params.get("activation_loading_horizon", 4),
-        "modules": "chosen in the script with smp.set_activation_checkpointing",
-    }
+@dataclass(frozen=True, kw_only=True)
+class ActivationSettings:
+    """What the engine does itself (the Plan's ``/engine/activation_checkpointing``); the defaults
+    here are the only ones: the modules come from the script, the horizon from the config."""
+
+    offload: bool = False
+    """SMP's ``offload_activations``: checkpointed inputs wait in CPU memory until backward."""
+    loading_horizon: int = 4
+    """SMP's ``activation_loading_horizon``: how many activations ahead backward fetches back."""
+    modules: str = "chosen in the script with smp.set_activation_checkpointing"
+
+
+def engine_activation(params: Mapping[str, Any]) -> ActivationSettings:
+    """The engine's activation settings for the resolved SMP parameters."""
+    return ActivationSettings(
+        offload=bool(params.get("offload_activations", ActivationSettings.offload)),
+        loading_horizon=params.get("activation_loading_horizon", ActivationSettings.loading_horizon),
+    )

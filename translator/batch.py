@@ -61,6 +61,21 @@ class BatchPlan:
         return asdict(self)
 
 
+@dataclass(frozen=True, kw_only=True)
+class BatchSettings(BatchPlan):
+    """The Plan's ``/engine/batch``: the batch sizes plus where the per-rank batch came from."""
+
+    prescaled_batch: bool = False
+    """SMP's ``prescaled_batch``: the tensor-parallel group shares one batch."""
+    source: str | None = None
+    """Where the per-rank batch size came from (a layout flag or hyperparameter); None when unknown."""
+
+    @classmethod
+    def of(cls, batch: BatchPlan, *, prescaled_batch: bool, source: str | None) -> BatchSettings:
+        """``batch`` with the two plan-level facts added."""
+        return cls(**asdict(batch), prescaled_batch=prescaled_batch, source=source)
+
+
 def divisibility_problem(per_rank_batch: int | None, microbatches: int) -> str | None:
     """Why B cannot be split into m micro-batches (smp.step's TensorSplitError), or None."""
     if per_rank_batch is None or per_rank_batch % microbatches == 0:

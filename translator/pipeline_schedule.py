@@ -1,12 +1,13 @@
 """Which DeepSpeed pipeline schedule runs an SMP training step (pure; the engine obeys it).
 
 SMP's ``pipeline`` (``interleaved`` / ``simple``) and ``active_microbatches`` decide it; the
-Plan carries the decision in ``/engine/pipeline`` so the engine derives nothing itself.
+Plan carries the decision in ``/engine/pipeline`` (:class:`PipelineSection`) so the engine derives
+nothing itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 ScheduleKind = Literal["1f1b", "gpipe"]
@@ -28,6 +29,34 @@ class ScheduleChoice:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionSettings:
+    """How modules are split over the stages (the Plan's ``/engine/pipeline/partition``)."""
+
+    auto: bool = True
+    """SMP's ``auto_partition``."""
+    memory_weight: float = 0.8
+    """w in cost = w * memory + (1 - w) * compute (SMP's ``memory_weight``)."""
+    default_partition: int | None = None
+    """Stage of modules not assigned with ``smp.partition`` when ``auto`` is off."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSection:
+    """The Plan's ``/engine/pipeline`` (defaults here are the only ones: no pipeline). A Section, not
+    Settings: the runner's own view of it is ``smp2ds.engine.pipeline.settings.PipelineSettings``."""
+
+    enabled: bool = False
+    stages: int = 1
+    """``pipeline_parallel_degree`` (alias ``partitions``)."""
+    schedule: str = "1f1b"
+    """``schedule_choice.kind``, or ``forward_only`` for SMP's internal ``_only_forward``."""
+    schedule_choice: ScheduleChoice = field(default_factory=lambda: choose_schedule("interleaved", 1, 1, 1))
+    microbatches: int = 1
+    active_microbatches: int = 1
+    partition: PartitionSettings = field(default_factory=PartitionSettings)
 
 
 def choose_schedule(pipeline: str, microbatches: int, active: int, pp: int) -> ScheduleChoice:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Literal
 
+from .engine_settings import EngineSettings
 from .issues import Issue, SMPConfigError
 
 SourceKind = Literal["parameters", "distribution", "estimator", "smp_v2"]
@@ -109,11 +111,17 @@ class Plan:
     topology: Mapping[str, Any]
     deepspeed: Mapping[str, Any]
     engine: Mapping[str, Any]
+    """The engine's settings as JSON (what ``smp2ds convert`` prints); read them as :attr:`engine_settings`."""
     megatron: Mapping[str, Any]
     launcher: Mapping[str, Any]
     notes: tuple[KeyNote, ...]
     remarks: tuple[str, ...] = ()
     """Plan-level notes that belong to no single key (e.g. batch size unknown)."""
+
+    @cached_property
+    def engine_settings(self) -> EngineSettings:
+        """:attr:`engine` as frozen dataclasses, the form the engine reads (parsed once per Plan)."""
+        return EngineSettings.from_engine(self.engine)
 
     def raise_if_unsupported(self) -> None:
         """Refuse every key this plan reports ``unsupported``, with its reason (all at once).

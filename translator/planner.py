@@ -2,8 +2,9 @@
 and launcher settings, with the fate of every key the user gave.
 
 Pure: no torch, no deepspeed, no I/O. Each concern lives in its own module (zero, precision,
-batch, activation, tensor_parallel, megatron, launcher); this module derives the layout, assembles
-the sections and writes the notes. docs/smp-semantics.md lists the SMP semantics.
+batch, activation, tensor_parallel, sharded_data, megatron, launcher); this module derives the layout,
+assembles the sections (``/engine`` as :class:`~.engine_settings.EngineSettings`, serialised) and
+writes the notes. docs/smp-semantics.md lists the SMP semantics.
 """
 
 from __future__ import annotations
@@ -14,17 +15,19 @@ from typing import Any
 from . import keymap as km
 from .activation import activation_block, engine_activation
 from .backend_choice import choose_backend
-from .batch import BatchPlan, plan_batch
+from .batch import BatchPlan, BatchSettings, plan_batch
 from .ds_compat import CLIPPING_DEFAULT_NOTE, check_deepspeed_config
+from .engine_settings import DataParallelSettings, EngineSettings, PlacementSettings, ProcessGroupSettings
 from .issues import Issue, SMPConfigError
 from .launcher import launcher_section
 from .layout import ResolvedLayout, check_world, params_pointer, resolve_layout
 from .megatron import megatron_section
 from .normalize import fixups
-from .pipeline_schedule import choose_schedule
+from .pipeline_schedule import PartitionSettings, PipelineSection, choose_schedule
 from .plan_types import Layout, Plan, SMPConfig
-from .precision import dtype_of, gradient_clipping, precision_blocks
+from .precision import PrecisionSettings, dtype_of, gradient_clipping, precision_blocks
 from .semantics import resolve_v1
+from .sharded_data import engine_mics
 from .tensor_parallel import engine_tensor_parallel, tensor_parallel_block
 from .topology import Topology
 from .zero import top_level as zero_top_level
@@ -80,7 +83,7 @@ def plan(config: SMPConfig, layout: Layout | None = None) -> Plan:
         shard_size=params["sharded_data_parallel_degree"],
         batch=batch,
         offload_activations=bool(params["offload_activations"]),
-        schedule=pipeline["schedule"],
+        schedule=pipeline.schedule,
     )
     launcher = launcher_section(
         given=config.given,
@@ -105,7 +108,7 @@ def plan(config: SMPConfig, layout: Layout | None = None) -> Plan:
     return Plan(
         topology=_topology_section(params, topo, rpn, nodes, resolved),
         deepspeed=deepspeed,
-        engine=engine,
+        engine=engine.to_dict(),
         megatron=megatron,
         launcher=launcher,
         notes=km.key_notes(config, params),
@@ -212,7 +215,7 @@ def _deepspeed(params: Mapping[str, Any], batch: BatchPlan) -> dict[str, Any]:
     return ds
 
 
-def _engine_pipeline(params: Mapping[str, Any], remarks: list[str]) -> dict[str, Any]:
+def _engine_pipeline(params: Mapping[str, Any], remarks: list[str]) -> PipelineSection:
     pp, m = params["pipeline_parallel_degree"], params["microbatches"]
     active = params.get("active_microbatches") or max(1, min(pp + 2, m))
     schedule = _SCHEDULES.get(params["pipeline"], "1f1b")
@@ -226,19 +229,19 @@ def _engine_pipeline(params: Mapping[str, Any], remarks: list[str]) -> dict[str,
     choice = choose_schedule(params["pipeline"], m, active, pp)
     if schedule != "forward_only":
         schedule = choice.kind  # one decision: what the engine runs is what the plan says
-    return {
-        "enabled": pp > 1,
-        "stages": pp,
-        "schedule": schedule,
-        "schedule_choice": choice.to_dict(),
-        "microbatches": m,
-        "active_microbatches": active,
-        "partition": {
-            "auto": bool(params["auto_partition"]),
-            "memory_weight": params["memory_weight"],
-            "default_partition": params["default_partition"],
-        },
-    }
+    return PipelineSection(
+        enabled=pp > 1,
+        stages=pp,
+        schedule=schedule,
+        schedule_choice=choice,
+        microbatches=m,
+        active_microbatches=active,
+        partition=PartitionSettings(
+            auto=bool(params["auto_partition"]),
+            memory_weight=params["memory_weight"],
+            default_partition=params["default_partition"],
+        ),
+    )
 
 
 def _engine(
@@ -246,81 +249,36 @@ def _engine(
     params: Mapping[str, Any],
     topo: Topology,
     batch: BatchPlan,
-    pipeline: dict[str, Any],
+    pipeline: PipelineSection,
     rpn: int,
     resolved: ResolvedLayout,
     remarks: list[str],
-) -> dict[str, Any]:
+) -> EngineSettings:
     seed = config.v2.get("random_seed") if config.smp_version == 2 else None
-    mics, tensor_parallel = _mics(params, topo, rpn, remarks), engine_tensor_parallel(params, seed)
-    backend = choose_backend(pipeline=pipeline["enabled"], tensor_parallel=tensor_parallel["enabled"],
-                             mics=mics["enabled"])
-    return {
-        "backend": backend.to_dict(),
-        "smp_version": config.smp_version,
-        "strategy": config.strategy,
-        "microbatches": params["microbatches"],
-        "placement": {"strategy": params["placement_strategy"], "order": topo.order},
-        "process_group": {"backend": params["ddp_dist_backend"], "port": params.get("ddp_port")},
+    mics = engine_mics(params, topo, rpn, list_groups=topo.world_size <= GROUP_LISTING_LIMIT, remarks=remarks)
+    tensor_parallel = engine_tensor_parallel(params, seed)
+    backend = choose_backend(pipeline=pipeline.enabled, tensor_parallel=tensor_parallel.enabled,
+                             mics=mics.enabled)
+    return EngineSettings(
+        backend=backend,
+        smp_version=config.smp_version,
+        strategy=config.strategy,
+        microbatches=params["microbatches"],
+        placement=PlacementSettings(strategy=params["placement_strategy"], order=topo.order),
+        process_group=ProcessGroupSettings(backend=params["ddp_dist_backend"], port=params.get("ddp_port")),
         # Replicas are data-parallel whatever SMP flag asked for them (ddp, or horovod on TF).
-        "data_parallel": {
-            "enabled": bool(params["ddp"]) or topo.rdp > 1,
-            "rdp_degree": topo.rdp,
-            "dp_degree": topo.dp,
-        },
-        "batch": {
-            **batch.to_dict(),
-            "prescaled_batch": bool(params["prescaled_batch"]),
-            "source": resolved.batch_source,
-        },
-        "zero_stage": zero_stage(params),
-        "mics": mics,
-        "pipeline": pipeline,
-        "tensor_parallel": tensor_parallel,
-        "precision": {
-            "dtype": dtype_of(params),
-            "loss_scale": "from smp.DistributedOptimizer(static_loss_scale, dynamic_loss_scale, "
-            "dynamic_loss_args) "
-            "at run time; /deepspeed/fp16 shows SMP's dynamic-scaler defaults",
-        },
-        "activation_checkpointing": engine_activation(params),
-        "delayed_parameter_initialization": bool(params["delayed_parameter_initialization"]),
-    }
-
-
-def _mics(params: Mapping[str, Any], topo: Topology, rpn: int, remarks: list[str]) -> dict[str, Any]:
-    shard = params["sharded_data_parallel_degree"]
-    requested = bool(params["sdp_hierarchical_allgather"])
-    out: dict[str, Any] = {
-        "enabled": shard > 1,
-        "shard_size": shard,
-        "replicas": topo.rdp // shard,
-        "hierarchical_allgather": False,
-        "hierarchical_allgather_requested": requested,
-        "nodes_per_shard_group": 1,
-        "shard_groups": None,
-        "replica_groups": None,
-        "shard_group_count": topo.pp * topo.tp * (topo.rdp // shard),
-        "replica_group_count": topo.pp * topo.tp * shard,
-        "gradient_sync": "reduce-scatter inside the shard group every micro-batch; all-reduce of each rank's "
-        "gradient partition across its replica group once per optimizer step",
-    }
-    if shard <= 1:
-        return out
-    shard_groups = topo.shard_groups(shard)
-    span = max(len({rank // rpn for rank in group}) for group in shard_groups)
-    out["nodes_per_shard_group"] = span
-    # SMP (and DeepSpeed's MiCS) gathered hierarchically only when a shard group spans nodes.
-    out["hierarchical_allgather"] = requested and span > 1
-    if requested and span == 1:
-        remarks.append(
-            "sdp_hierarchical_allgather is on but every shard group fits in one node: switched off, as "
-            "SMP did"
-        )
-    if topo.world_size <= GROUP_LISTING_LIMIT:
-        out["shard_groups"] = shard_groups
-        out["replica_groups"] = topo.replica_groups(shard)
-    return out
+        data_parallel=DataParallelSettings(
+            enabled=bool(params["ddp"]) or topo.rdp > 1, rdp_degree=topo.rdp, dp_degree=topo.dp
+        ),
+        batch=BatchSettings.of(batch, prescaled_batch=bool(params["prescaled_batch"]), source=resolved.batch_source),
+        zero_stage=zero_stage(params),
+        mics=mics,
+        pipeline=pipeline,
+        tensor_parallel=tensor_parallel,
+        precision=PrecisionSettings(dtype=dtype_of(params)),
+        activation_checkpointing=engine_activation(params),
+        delayed_parameter_initialization=bool(params["delayed_parameter_initialization"]),
+    )
 
 
 def _topology_section(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 Dtype = Literal["fp16", "bf16", "fp32"]
@@ -32,6 +33,18 @@ def dtype_of(params: Mapping[str, Any]) -> Dtype:
     if params.get("bf16"):
         return "bf16"
     return "fp32"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionSettings:
+    """The Plan's ``/engine/precision`` (the defaults here are the only ones)."""
+
+    dtype: Dtype = "fp32"
+    loss_scale: str = (
+        "from smp.DistributedOptimizer(static_loss_scale, dynamic_loss_scale, dynamic_loss_args) at run time; "
+        "/deepspeed/fp16 shows SMP's dynamic-scaler defaults"
+    )
+    """Where the loss scaler comes from: the script's optimizer wrapper, not the config."""
 
 
 def fp16_block(

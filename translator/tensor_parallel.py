@@ -53,7 +53,7 @@ def tensor_parallel_block(params: Mapping[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True, kw_only=True)
 class TensorParallelSettings:
     """The engine's tensor-parallel settings (the Plan's ``/engine/tensor_parallel``). The defaults
-    here are the only ones: the engine reads the Plan through :meth:`from_engine`."""
+    here are the only ones: the engine reads them as ``Plan.engine_settings.tensor_parallel``."""
 
     enabled: bool = False
     degree: int = 1
@@ -67,13 +67,8 @@ class TensorParallelSettings:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_engine(cls, engine: Mapping[str, Any]) -> TensorParallelSettings:
-        """The settings of a Plan's ``engine`` section."""
-        return cls(**engine["tensor_parallel"])
 
-
-def engine_tensor_parallel(params: Mapping[str, Any], seed: int | None = None) -> dict[str, Any]:
+def engine_tensor_parallel(params: Mapping[str, Any], seed: int | None = None) -> TensorParallelSettings:
     """Engine settings for tensor parallelism (``seed``: SMP v2 ``random_seed`` overrides v1's seed)."""
     tp = params.get("tensor_parallel_degree", TensorParallelSettings.degree)
     return TensorParallelSettings(
@@ -85,4 +80,4 @@ def engine_tensor_parallel(params: Mapping[str, Any], seed: int | None = None) -
         prescaled_batch=bool(params.get("prescaled_batch", TensorParallelSettings.prescaled_batch)),
         # memory: smp.nn's distributed transformer splits the sequence over the group (sequence parallelism)
         optimize=str(params.get("optimize") or TensorParallelSettings.optimize),
-    ).to_dict()
+    )

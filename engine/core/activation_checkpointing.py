@@ -7,7 +7,7 @@ With the SMP config key ``offload_activations: true`` every checkpointed call (t
 under the offload hooks of :mod:`smp2ds.engine.core.activation_offload`: the inputs it keeps for
 recomputation live in CPU memory until backward, which prefetches them back
 ``activation_loading_horizon`` activations ahead. The setting is read from the running plan
-(``state.plan.engine["activation_checkpointing"]``) at each call; :func:`offload_activations`
+(``state.plan.engine_settings.activation_checkpointing``) at each call; :func:`offload_activations`
 overrides it for a block of code (tests, or use without ``smp.init``). Without offloading the calls
 are exactly plain non-reentrant checkpointing.
 """
@@ -47,11 +47,8 @@ def offload_horizon() -> int | None:
         return _OVERRIDES[-1]
     if not state.initialized or state.plan is None:
         return None
-    settings = state.plan.engine.get("activation_checkpointing") or {}
-    if not settings.get("offload"):
-        return None
-    horizon = settings.get("loading_horizon")
-    return 4 if horizon is None else int(horizon)
+    settings = state.plan.engine_settings.activation_checkpointing
+    return settings.loading_horizon if settings.offload else None
 
 
 def _run_checkpointed(fn: Any, args: tuple, kwargs: dict, preserve_rng_state: bool) -> Any:

@@ -49,8 +49,8 @@ __all__ = ["make_backend", "parameter_roles", "prepare_groups", "prepare_module"
 def make_backend(module: Any, state: Any) -> Backend:
     """The backend the Plan names (``/engine/backend/name``, the planner's choice that ``smp2ds explain`` shows)."""
     # Each return below is where mypy (.ci/typecheck) checks that backend class against the protocol.
-    name = state.plan.engine["backend"]["name"]
-    microbatches = int(state.plan.engine["microbatches"])
+    name = state.plan.engine_settings.backend.name
+    microbatches = state.plan.engine_settings.microbatches
     if name == "pipeline":
         from smp2ds.engine.pipeline.backend import PipelineBackend  # start-up: DeepSpeed's pipeline package
 
@@ -102,19 +102,20 @@ def prepare_groups(plan: Any, topology: Any, launch: Any) -> Any:
     parallelism's shard/replica groups are created (collective), because
     ``smp.delay_param_initialization()`` needs them before the model is wrapped. Shard size, ranks
     per node and the hierarchical all-gather decision are the Plan's. Returns the MiCS groups, or None."""
-    if plan.engine["pipeline"]["enabled"]:
+    settings = plan.engine_settings  # smp2ds.translator.engine_settings.EngineSettings
+    if settings.pipeline.enabled:
         from smp2ds.engine.pipeline import manual  # start-up: pipeline scripts only
 
         manual.configure(topology.pp)
-    mics = plan.engine["mics"]
-    if not mics["enabled"]:
+    mics = settings.mics
+    if not mics.enabled:
         return None
     from smp2ds.engine.mics.shard_groups import MicsGroups  # start-up: sharded data parallelism only
 
     return MicsGroups.create(
         topology,
-        int(mics["shard_size"]),
+        mics.shard_size,
         rank=launch.rank,
         ranks_per_node=int(plan.topology["ranks_per_node"]),
-        hierarchical=bool(mics["hierarchical_allgather"]),
+        hierarchical=mics.hierarchical_allgather,
     )

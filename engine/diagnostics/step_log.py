@@ -86,12 +86,12 @@ def start_logging(plan: Any, launch: Any, backend: str) -> None:
 
 def layout_summary(plan: Any, world_size: int, backend: str) -> str:
     """One line: degrees and placement, nodes, data-parallel scheme, micro-batches, precision, backend."""
-    topo, ds, engine = plan.topology, plan.deepspeed, plan.engine
+    topo, ds, mics = plan.topology, plan.deepspeed, plan.engine_settings.mics
     rpn = int(topo["ranks_per_node"])
     pp, tp, rdp = topo["pipeline_parallel_degree"], topo["tensor_parallel_degree"], topo["rdp_degree"]
     stage = int(ds.get("zero_optimization", {}).get("stage", 0))
-    if engine.get("mics", {}).get("enabled"):
-        shard = int(engine["mics"]["shard_size"])
+    if mics.enabled:
+        shard = mics.shard_size
         scheme = f"sharded data parallelism (MiCS, shard groups of {shard}, {rdp // shard} replica(s))"
     else:
         scheme = {0: "DDP", 1: "ZeRO-1 (shard_optimizer_state)", 2: "ZeRO-2", 3: "ZeRO-3"}[stage]

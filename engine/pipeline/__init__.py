@@ -81,7 +81,7 @@ def build_pipeline(model: Any, plan: Any, topology: Any) -> PipelineRunner:
 
     Must be called on every rank at the same point (it creates process groups). ``plan`` is the
     translator's Plan (``PipelineSettings.plan_for(cfg_dict, world_size)`` makes one from an SMP
-    parameter dict): the stages, schedule and partition rules come from ``plan.engine["pipeline"]``
+    parameter dict): the stages, schedule and partition rules come from ``plan.engine_settings.pipeline``
     and the DeepSpeed config from ``plan.deepspeed``; its batch keys are filled in at the first
     step, when the micro-batch size is known.
     """

@@ -2,7 +2,7 @@
 
 The engine derives nothing the translator owns: stages, micro-batches, the schedule (see
 :mod:`smp2ds.translator.pipeline_schedule`) and the partition rules come from
-``plan.engine["pipeline"]``. Pure Python: no torch, no process groups.
+``plan.engine_settings.pipeline``. Pure Python: no torch, no process groups.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from smp2ds.translator.issues import Issue, SMPConfigError
-from smp2ds.translator.pipeline_schedule import ScheduleChoice, choose_schedule
+from smp2ds.translator.pipeline_schedule import PipelineSection, ScheduleChoice, choose_schedule
 
 __all__ = ["PipelineSettings", "ScheduleChoice", "choose_schedule", "plan_for"]
 
@@ -37,15 +37,14 @@ class PipelineSettings:
     @classmethod
     def from_plan(cls, plan: Any) -> PipelineSettings:
         """Read the translator's decisions; refuse a DeepSpeed ZeRO stage the pipeline engine cannot run."""
-        pipe = plan.engine["pipeline"]
+        pipe: PipelineSection = plan.engine_settings.pipeline
         issues = _zero_issues(plan.deepspeed)
         if issues:
             raise SMPConfigError(issues)
-        part = pipe["partition"]
-        return cls(pp=int(pipe["stages"]), microbatches=int(pipe["microbatches"]),
-                   active_microbatches=int(pipe["active_microbatches"]), auto_partition=bool(part["auto"]),
-                   default_partition=part["default_partition"], memory_weight=float(part["memory_weight"]),
-                   schedule=ScheduleChoice(**pipe["schedule_choice"]))
+        part = pipe.partition
+        return cls(pp=pipe.stages, microbatches=pipe.microbatches, active_microbatches=pipe.active_microbatches,
+                   auto_partition=part.auto, default_partition=part.default_partition,
+                   memory_weight=float(part.memory_weight), schedule=pipe.schedule_choice)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], ds_overrides: Mapping[str, Any] | None = None,

@@ -59,7 +59,7 @@ def test_tensor_parallel_settings_read_back_from_the_plan_with_the_values_given(
 
     layout = Layout(world_size=4)
     params = {"ddp": True, "tensor_parallel_degree": 2, "tensor_parallel_seed": 7, "optimize": "memory"}
-    settings = TensorParallelSettings.from_engine(plan(normalize(params, layout), layout).engine)
+    settings = plan(normalize(params, layout), layout).engine_settings.tensor_parallel
     assert settings == TensorParallelSettings(enabled=True, degree=2, implementation="smp2ds-megatron", seed=7,
                                               optimize="memory")
     with pytest.raises(AttributeError):
@@ -71,6 +71,6 @@ def test_the_engine_takes_its_tensor_parallel_defaults_from_the_plan_type():
     from smp2ds.translator.tensor_parallel import TensorParallelSettings
 
     layout = Layout(world_size=2)
-    settings = TensorParallelSettings.from_engine(plan(normalize({"ddp": True}, layout), layout).engine)
+    settings = plan(normalize({"ddp": True}, layout), layout).engine_settings.tensor_parallel
     assert settings == TensorParallelSettings()  # tensor parallelism off: every default
     assert SINGLE.optimize == settings.optimize

@@ -37,7 +37,7 @@ def current() -> TPGroup:
 
     if not state.initialized or state.groups.topology.tp == 1:
         return SINGLE
-    tp = TensorParallelSettings.from_engine(state.plan.engine)
+    tp = state.plan.engine_settings.tensor_parallel
     return TPGroup(handle=state.groups.group("tp"), rank=state.groups.coords.tp_rank,
                    size=state.groups.topology.tp, ranks=tuple(state.groups.ranks["tp"]),
                    prescaled_batch=tp.prescaled_batch, optimize=tp.optimize)

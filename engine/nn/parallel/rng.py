@@ -63,8 +63,7 @@ def manager() -> RngManager:
     from smp2ds.engine.core.state import state
 
     if state.rng_manager is None:
-        seed = TensorParallelSettings.from_engine(state.plan.engine).seed if state.initialized \
-            else TensorParallelSettings.seed
+        seed = state.plan.engine_settings.tensor_parallel.seed if state.initialized else TensorParallelSettings.seed
         state.rng_manager = RngManager(seed)
     return state.rng_manager
 
