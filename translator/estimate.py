@@ -139,7 +139,7 @@ def _sharded_hops(group: int, steps: int, copy: float, spans: bool) -> list[dict
 
 
 def _hierarchical(plan: Plan) -> bool:
-    return bool(plan.engine.get("mics", {}).get("hierarchical_allgather"))
+    return plan.engine_settings.mics.hierarchical_allgather
 
 
 def _mics(

@@ -253,9 +253,9 @@ def _tp_traffic(args: argparse.Namespace, result: Any) -> dict[str, Any] | None:
     try:
         return tensor_parallel_traffic(
             tp=tp, layers=first(_LAYERS, "layer count"), hidden=first(_HIDDEN, "hidden size"), seq_len=seq_len,
-            batch_per_rank=args.batch_size, microbatches=int(result.engine["microbatches"]),
+            batch_per_rank=args.batch_size, microbatches=result.engine_settings.microbatches,
             bytes_per_element=2 if half else 4,
-            prescaled_batch=bool(result.engine["tensor_parallel"]["prescaled_batch"]),
+            prescaled_batch=result.engine_settings.tensor_parallel.prescaled_batch,
         )
     except ValueError as err:
         raise UsageError(str(err)) from None
