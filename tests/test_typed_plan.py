@@ -20,8 +20,8 @@ import pytest
 
 from smp2ds.translator import load_document, normalize, plan
 from smp2ds.translator.engine_settings import EngineSettings
-from smp2ds.translator.model import Layout
 from smp2ds.translator.pipeline_schedule import PipelineSection
+from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.sharded_data import MicsSettings
 
 ROOT = Path(__file__).resolve().parents[1]
