@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.core import creation_args
+from smp2ds.engine.core.deepspeed_config import engine_config
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import (
     DistributedModelWrappedError,
@@ -31,7 +32,7 @@ from smp2ds.engine.tensor_parallel import registry
 def _manual() -> Any:
     """The pipeline package's partition registry (None when the package is absent)."""
     try:
-        from smp2ds.engine.pipeline import manual
+        from smp2ds.engine.pipeline import manual  # start-up: the pipeline package imports DeepSpeed's pipeline
     except ImportError:
         return None
     return manual
@@ -107,8 +108,7 @@ def _sharded_creation(enabled: bool) -> Iterator[None]:
     if not (enabled and state.initialized and state.mics_groups is not None):
         yield
         return
-    from smp2ds.engine import mics
-    from smp2ds.engine.core.deepspeed_config import engine_config
+    from smp2ds.engine import mics  # start-up: the MiCS package imports DeepSpeed's ZeRO-3
 
     ds = engine_config(state.plan.deepspeed, microbatches=int(state.cfg.microbatches))
     with mics.mics_init_context(ds, state.mics_groups):

@@ -420,3 +420,39 @@ def test_imports_only_go_down(graph):
         pytest.fail("imports against the layering (LAYERS in this file):\n  " + "\n  ".join(lines), pytrace=False)
     gone = KNOWN_CROSSINGS - set(found)
     assert not gone, f"remove these fixed crossings from KNOWN_CROSSINGS: {sorted(gone)}"
+
+
+def uncommented_local_imports(files: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """``file:line`` of every import of our own modules inside a function without a comment on its line, its
+    last line or the line above (the comment says what needs it there: start-up time or an optional part)."""
+    found = []
+    for path in files.values():
+        text = path.read_text()
+        lines = text.splitlines()
+        for function in ast.walk(ast.parse(text)):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                    continue
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                if not any(name.startswith("smp2ds.") for name in names):
+                    continue
+                near = [lines[node.lineno - 1], lines[(node.end_lineno or node.lineno) - 1], lines[node.lineno - 2]]
+                if "#" not in near[0] and "#" not in near[1] and not near[2].strip().startswith("#"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return sorted(set(found))
+
+
+def test_imports_inside_functions_say_why(graph):
+    files, _ = graph
+    engine = {name: path for name, path in files.items() if name.startswith("smp2ds.engine")}
+    assert uncommented_local_imports(engine) == [], (
+        "import at the top of the module, or say in a comment why it must wait (start-up time, optional part)")
+
+
+def test_uncommented_local_imports_are_found(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from smp2ds.engine import core\n\n\ndef g():\n"
+                      "    from smp2ds.engine import mics  # start-up: imports DeepSpeed\n")
+    assert uncommented_local_imports({"m": module}, root=tmp_path) == ["m.py:2"]

@@ -23,6 +23,10 @@ import torch
 from smp2ds.engine.checkpoint_tools import consolidate
 from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
 from smp2ds.engine.exceptions import SMPCheckpointError, SMPInvalidArgumentError, SMPUnsupportedError
+from smp2ds.engine.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
+from smp2ds.engine.nn.huggingface.gptj import translate_state_dict_to_hf_gptj
+from smp2ds.engine.nn.huggingface.gptneo import translate_state_dict_to_hf_gptneo
+from smp2ds.engine.nn.huggingface.gptneox import translate_state_dict_to_hf_gptneox
 
 SIZED_TYPES = ("gpt2", "llama", "gpt_neox")
 
@@ -30,16 +34,12 @@ SIZED_TYPES = ("gpt2", "llama", "gpt_neox")
 def _translator(model_type: str, heads: int) -> Callable[[dict], dict]:
     """SMP distributed-transformer names -> Hugging Face's, for ``model_type``."""
     if model_type == "gpt2":
-        from smp2ds.engine.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
         return translate_state_dict_to_hf_gpt2
     if model_type == "gpt_neox":
-        from smp2ds.engine.nn.huggingface.gptneox import translate_state_dict_to_hf_gptneox
         return lambda sd: translate_state_dict_to_hf_gptneox(sd, num_attention_heads=heads)
     if model_type == "gpt_neo":
-        from smp2ds.engine.nn.huggingface.gptneo import translate_state_dict_to_hf_gptneo
         return translate_state_dict_to_hf_gptneo
     if model_type == "gptj":
-        from smp2ds.engine.nn.huggingface.gptj import translate_state_dict_to_hf_gptj
         return translate_state_dict_to_hf_gptj
     raise SMPUnsupportedError(f"the checkpoint holds SMP distributed-transformer names (seq_layers) and model type "
                               f"{model_type!r} has no translator to Hugging Face names; allowed: gpt2, gpt_neox, "

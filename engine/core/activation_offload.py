@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.exceptions import SMPInvalidArgumentError
+
 __all__ = [
     "ActivationOffloader",
     "OffloadStats",
@@ -335,8 +337,6 @@ class ActivationOffloader:
 
 def _check_horizon(horizon: Any) -> int:
     if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
-        from smp2ds.engine.exceptions import SMPInvalidArgumentError
-
         raise SMPInvalidArgumentError(f"activation_loading_horizon must be an integer >= 1, got {horizon!r}")
     return horizon
 

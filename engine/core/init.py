@@ -25,12 +25,16 @@ from smp2ds.engine.core import comm, launch_env
 from smp2ds.engine.core.backend_factory import prepare_groups
 from smp2ds.engine.core.process_groups import create_groups
 from smp2ds.engine.core.state import ConfigView, state
+from smp2ds.engine.core.version_check import installed_deepspeed, require_deepspeed
 from smp2ds.engine.diagnostics import failure_report as faults
 from smp2ds.engine.diagnostics import step_log
 from smp2ds.engine.diagnostics.watchdog import Watchdog, timeout_from_env
 from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.translator import normalize
 from smp2ds.translator.issues import Issue, SMPConfigError
 from smp2ds.translator.plan_types import Layout
+from smp2ds.translator.planner import plan as make_plan
+from smp2ds.translator.topology import Topology
 
 log = logging.getLogger("smp2ds")
 
@@ -88,11 +92,10 @@ def resolve_backend(requested: Any) -> str:
 
 
 def _translate(merged: dict[str, Any], launch: launch_env.LaunchEnv) -> tuple[Any, Any]:
-    from smp2ds.translator import normalize, plan
 
     layout = Layout(world_size=launch.world_size, gpus_per_node=launch.local_size)
     cfg = normalize(merged, layout)
-    result = plan(cfg, layout)
+    result = make_plan(cfg, layout)
     result.raise_if_unsupported()
     return cfg, result
 
@@ -139,8 +142,6 @@ def init(config: Mapping[str, Any] | None = None) -> None:
 
 def _check_deepspeed_version() -> None:
     """An environment mistake, the same on every rank: rank 0 prints one line instead of a traceback per rank."""
-    from smp2ds.engine.core.version_check import installed_deepspeed, require_deepspeed
-
     try:
         require_deepspeed(installed_deepspeed())
     except SMPUnsupportedError as exc:
@@ -227,7 +228,6 @@ def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> 
 
 def _topology(plan: Any, launch: launch_env.LaunchEnv) -> Any:
     """The rank layout the Plan chose (degrees and placement), for this launch's world size."""
-    from smp2ds.translator.topology import Topology
 
     topo = plan.topology
     return Topology.for_world(

@@ -28,6 +28,7 @@ import torch
 
 from smp2ds.engine.core import deepspeed_config as dsc
 from smp2ds.engine.core import deepspeed_optimizer as dso
+from smp2ds.engine.core.model_io import scalar_for_backward
 from smp2ds.engine.core.parameter_sharding import ParameterSharding
 from smp2ds.engine.core.tensor_parallel_view import TensorParallelView
 from smp2ds.engine.data_parallel.replicated import ReplicatedParameters
@@ -169,8 +170,6 @@ class DataParallelBackend:
 
     def step_backward(self, tensors: Any, grad_tensors: Any, microbatches: int, average: bool) -> None:
         """``model.backward(tensors, grad_tensors)`` for one micro-batch (SMP semantics)."""
-        from smp2ds.engine.core.model_io import scalar_for_backward
-
         loss = scalar_for_backward(tensors, grad_tensors)
         if average and microbatches > 1:
             loss = loss / microbatches  # SMP's average_grads_across_microbatches

@@ -50,6 +50,10 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.core.object_collectives import allgather
+from smp2ds.engine.core.optimizer import DistributedOptimizer
+from smp2ds.engine.core.ranks import CommGroup
+from smp2ds.engine.core.state import state
 from smp2ds.engine.integrations.class_repair_hook import ClassRepair, install
 from smp2ds.engine.integrations.transformers_compat import require_supported_transformers
 
@@ -121,8 +125,6 @@ def _clip_through_optimizer(trainer: Any, accelerator: Any, parameters: Any, max
 
 def _prepare_optimizer(accelerator: Any, optimizer: Any, device_placement: Any = None) -> Any:
     """``accelerator.prepare_optimizer`` under SMP: an ``smp.DistributedOptimizer`` stays as it is."""
-    from smp2ds.engine.core.optimizer import DistributedOptimizer
-
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer
     return type(accelerator).prepare_optimizer(accelerator, optimizer, device_placement=device_placement)
@@ -150,8 +152,6 @@ def _gather_over_data_parallel(accelerator: Any, data: Any, use_gather_object: b
     """``accelerator.gather_for_metrics`` under SMP: ``smp.allgather`` over the data-parallel group."""
     from transformers.trainer_pt_utils import smp_gather
 
-    from smp2ds.engine.core.object_collectives import allgather
-    from smp2ds.engine.core.ranks import CommGroup
 
     if use_gather_object or not _is_tensor_tree(data):
         gathered = [item for part in allgather(data, CommGroup.DP_GROUP) for item in part]
@@ -175,8 +175,6 @@ def repair_trainer(cls: type) -> None:
     require_supported_transformers()
     if not _mark_once(cls):
         return
-    from smp2ds.engine.core.optimizer import DistributedOptimizer
-    from smp2ds.engine.core.state import state
 
     def after_accelerator(original: Any) -> Any:
         def create_accelerator_and_postprocess(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -127,7 +127,7 @@ class DistributedTransformerLMHead(RegionModule):
         self._adopt()
 
     def forward(self, inputs: Any) -> Any:
-        ids, mask, token_types, positions, labels = _unpack(inputs)
+        ids, mask, token_types, positions, labels = unpack_lm_inputs(inputs)
         if self.vocab_parallel and labels is not None and self.add_lm_head:
             # the loss is computed inside the region from vocab-split logits, which are never joined
             per_token, valid = self._region(self._forward_loss, ids, mask, token_types, positions, labels)
@@ -182,7 +182,9 @@ _HEAD_ONLY = ("embedding_dropout_prob", "use_positional_embedding", "tie_input_o
               "use_lm_head_bias", "vocab_size", "num_positions", "num_token_types", "add_lm_head")
 
 
-def _unpack(inputs: Any) -> tuple[Any, Any, Any, Any, Any]:
+def unpack_lm_inputs(inputs: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """``DistributedTransformerLMHead``'s input, ``input_ids`` or a tuple of up to five, as (input_ids,
+    attention_mask, token_type_ids, position_ids, labels); the pipeline's first stage reads it the same way."""
     if isinstance(inputs, torch.Tensor):
         return inputs, None, None, None, None
     if not isinstance(inputs, (tuple, list)) or not 1 <= len(inputs) <= 5:

@@ -12,8 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from smp2ds.translator import normalize
 from smp2ds.translator.issues import Issue, SMPConfigError
 from smp2ds.translator.pipeline_schedule import PipelineSection, ScheduleChoice, choose_schedule
+from smp2ds.translator.plan_types import Layout
+from smp2ds.translator.planner import plan as make_plan
 
 __all__ = ["PipelineSettings", "ScheduleChoice", "choose_schedule", "plan_for"]
 
@@ -61,15 +64,13 @@ class PipelineSettings:
 def plan_for(cfg: Mapping[str, Any], world_size: int | None = None,
              ds_overrides: Mapping[str, Any] | None = None) -> Any:
     """The translator's Plan for an SMP parameter dict on ``world_size`` ranks (default: pp x tp)."""
-    from smp2ds.translator import normalize, plan
-    from smp2ds.translator.plan_types import Layout
 
     if world_size is None:
         pp = cfg.get("pipeline_parallel_degree", cfg.get("partitions", 1))
         world_size = int(pp) * int(cfg.get("tensor_parallel_degree", 1))
     layout = Layout(world_size=world_size, gpus_per_node=world_size)
     config = normalize(dict(cfg), layout)
-    result = plan(config, layout)
+    result = make_plan(config, layout)
     result.raise_if_unsupported()
     if ds_overrides:
         result = dataclasses.replace(result, deepspeed={**result.deepspeed, **ds_overrides})

@@ -26,6 +26,7 @@ import torch
 from smp2ds.engine.core import comm
 from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.nn.parallel.marks import Mark, mark_of
+from smp2ds.engine.nn.parallel.modules import DistributedEmbedding, DistributedLinear
 from smp2ds.engine.tensor_parallel import families
 
 INIT_ARGS = "_smp2ds_init_args"
@@ -84,8 +85,6 @@ def registration_for(cls: type) -> Registration | None:
 
 def register_builtins() -> None:
     """SMP's built-in registrations (real classes from :mod:`modules`)."""
-    from smp2ds.engine.nn.parallel.modules import DistributedEmbedding, DistributedLinear
-
     _REGISTRY.setdefault(torch.nn.Linear, Registration(DistributedLinear))
     _REGISTRY.setdefault(torch.nn.Embedding, Registration(DistributedEmbedding))
 

@@ -31,11 +31,22 @@ from typing import Any
 import torch
 
 from smp2ds.engine.core.partitioned_params import gathered_whole
+from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.integrations.transformers_compat import rope_parameters
+from smp2ds.engine.nn.huggingface import encoder_names
+from smp2ds.engine.nn.huggingface.fresh import with_fresh_weights
+from smp2ds.engine.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
+from smp2ds.engine.nn.huggingface.gptj import translate_hf_state_dict_to_smdistributed_gptj
+from smp2ds.engine.nn.huggingface.gptneo import translate_hf_state_dict_to_smdistributed_gptneo
+from smp2ds.engine.nn.huggingface.gptneox import (
+    remember_num_attention_heads,
+    translate_hf_state_dict_to_smdistributed_gptneox,
+)
 from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.nn.parallel.group import TPGroup, current
 from smp2ds.engine.nn.parallel.shards import local_part
+from smp2ds.engine.nn.transformer import DistributedTransformer, DistributedTransformerLMHead
 from smp2ds.engine.tensor_parallel import registry
 
 REPLACED_CLASSES = ("GPT2LMHeadModel", "GPTNeoForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM", "BertEncoder",
@@ -96,8 +107,6 @@ def _replace(module: torch.nn.Module, owner: torch.nn.Module | None, owners: lis
 
 
 def _refuse_pipeline(kind: str) -> None:
-    from smp2ds.engine.core.state import state
-
     # DistributedTransformerLMHead has a pipeline layer list (engine/pipeline/families/smp_transformer.py);
     # a replaced encoder sits inside a Hugging Face model whose layer list expects the original encoder.
     if state.initialized and int(state.cfg.pipeline_parallel_degree) > 1 and kind.endswith("Encoder"):
@@ -217,28 +226,17 @@ def gptneo_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
 def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
     """The ``DistributedTransformerLMHead`` replacing Hugging Face GPT-2 / GPT-Neo / GPT-NeoX / GPT-J model ``hf``
     (same weights, fresh ones where Hugging Face's init was skipped; head tied as the config says)."""
-    from smp2ds.engine.nn.huggingface.fresh import with_fresh_weights
-    from smp2ds.engine.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
-    from smp2ds.engine.nn.huggingface.gptneox import translate_hf_state_dict_to_smdistributed_gptneox
-    from smp2ds.engine.nn.transformer import DistributedTransformerLMHead
-
     tp = current()
     settings = dict(marks.mark_of(hf).kwargs)
     # weights Hugging Face never initialised (its init skipped by the script) are drawn afresh
     state, _ = with_fresh_weights(hf, hf.state_dict(), hf.config.initializer_range)
     if type(hf).__name__ == "GPTJForCausalLM":
-        from smp2ds.engine.nn.huggingface.gptj import translate_hf_state_dict_to_smdistributed_gptj
-
         new = DistributedTransformerLMHead(**gptj_arguments(hf.config, settings))
         translated = translate_hf_state_dict_to_smdistributed_gptj(state)
     elif type(hf).__name__ == "GPTNeoForCausalLM":
-        from smp2ds.engine.nn.huggingface.gptneo import translate_hf_state_dict_to_smdistributed_gptneo
-
         new = DistributedTransformerLMHead(**gptneo_arguments(hf.config, settings))
         translated = translate_hf_state_dict_to_smdistributed_gptneo(state)
     elif type(hf).__name__ == "GPTNeoXForCausalLM":
-        from smp2ds.engine.nn.huggingface.gptneox import remember_num_attention_heads
-
         remember_num_attention_heads(hf.config.num_attention_heads)  # SMP's translators default to it
         new = DistributedTransformerLMHead(**gptneox_arguments(hf.config, settings))
         translated = translate_hf_state_dict_to_smdistributed_gptneox(state, hf.config.num_attention_heads)
@@ -335,9 +333,6 @@ def encoder_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 def encoder_to_distributed_transformer(encoder: torch.nn.Module) -> torch.nn.Module:
     """The ``DistributedTransformer`` replacing a BERT/RoBERTa encoder (same weights, HF call contract)."""
-    from smp2ds.engine.nn.huggingface import encoder_names
-    from smp2ds.engine.nn.transformer import DistributedTransformer
-
     settings = {k: v for k, v in marks.mark_of(encoder).kwargs.items() if k not in _LM_HEAD_ONLY}
     new = DistributedTransformer(**encoder_arguments(encoder.config, settings))
     weight = next(encoder.parameters())

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.nn.parallel import rng
+
 FRESH_STREAM = 1 << 32
 """Offset of the fresh-weight seeds from ``tensor_parallel_seed`` (away from the distributed modules'
 own ``seed + n`` streams)."""
@@ -60,8 +62,6 @@ def initialised(model: torch.nn.Module) -> dict[str, bool]:
 
 def generator() -> torch.Generator:
     """The next replaced model's fresh-weight stream (the same on every rank)."""
-    from smp2ds.engine.nn.parallel import rng
-
     gen = torch.Generator().manual_seed(rng.manager().seed + FRESH_STREAM + _drawn[0])
     _drawn[0] += 1
     return gen

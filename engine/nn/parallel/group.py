@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from smp2ds.engine.core.state import state
 from smp2ds.translator.tensor_parallel import TensorParallelSettings
 
 
@@ -33,8 +34,6 @@ SINGLE = TPGroup(handle=None, rank=0, size=1, ranks=(0,), prescaled_batch=True)
 
 def current() -> TPGroup:
     """The running process's tensor-parallel group (``SINGLE`` without tensor parallelism)."""
-    from smp2ds.engine.core.state import state
-
     if not state.initialized or state.groups.topology.tp == 1:
         return SINGLE
     tp = state.plan.engine_settings.tensor_parallel

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from smp2ds.engine.core.state import state
 from smp2ds.translator.tensor_parallel import TensorParallelSettings
 
 
@@ -60,8 +61,6 @@ class RngManager:
 
 def manager() -> RngManager:
     """``smp.state.rng_manager``, created on first use from the Plan's seed."""
-    from smp2ds.engine.core.state import state
-
     if state.rng_manager is None:
         seed = state.plan.engine_settings.tensor_parallel.seed if state.initialized else TensorParallelSettings.seed
         state.rng_manager = RngManager(seed)

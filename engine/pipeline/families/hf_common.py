@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from smp2ds.engine.integrations.transformers_compat import bidirectional_mask_builder
 from smp2ds.engine.pipeline.layers import UnsupportedModelError
 
 # Arguments that may be present as long as they ask for nothing the pipeline cannot give.
@@ -123,6 +124,4 @@ def sliding_window_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor,
 
 def bidirectional_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor) -> Any:
     """transformers' own bidirectional (encoder) attention mask (any supported release)."""
-    from smp2ds.engine.integrations.transformers_compat import bidirectional_mask_builder
-
     return _mask_call(bidirectional_mask_builder(), config, hidden, mask)

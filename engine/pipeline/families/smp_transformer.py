@@ -27,14 +27,14 @@ from torch import nn
 
 from smp2ds.engine.nn.parallel.group import current
 from smp2ds.engine.nn.parallel.region import run_region
+from smp2ds.engine.nn.transformer import DistributedTransformerLMHead, unpack_lm_inputs
+from smp2ds.engine.nn.transformer_layers import norm
 from smp2ds.engine.pipeline.layers import LayerList, PipeLayer, UnsupportedModelError, tied
 
 FAMILY = "smp.nn.DistributedTransformerLMHead"
 
 
 def matches(model: nn.Module) -> bool:
-    from smp2ds.engine.nn.transformer import DistributedTransformerLMHead
-
     return isinstance(model, DistributedTransformerLMHead)
 
 
@@ -107,8 +107,6 @@ class FinalNorm(nn.Module):
         self.layernorm = layernorm
 
     def forward(self, inputs: tuple) -> torch.Tensor:
-        from smp2ds.engine.nn.transformer_layers import norm
-
         hidden = inputs[0]
         return hidden if self.layernorm is None else _region(lambda h: norm(self.layernorm, h), hidden)
 
@@ -131,15 +129,13 @@ class Adapter:
         self.model = model
 
     def _unpacked(self, args: tuple, kwargs: dict) -> tuple:
-        from smp2ds.engine.nn.transformer import _unpack
-
         hook = getattr(self.model, "_smp2ds_forward_hook", None)
         if hook is not None:
             args, kwargs = hook(*args, **kwargs)
         if kwargs or len(args) != 1:
             raise UnsupportedModelError(f"pipelined {FAMILY} takes one argument, (input_ids, attention_mask, "
                                         f"token_type_ids, position_ids, labels); got {len(args)} and {sorted(kwargs)}")
-        ids, mask, token_types, positions, labels = _unpack(args[0])
+        ids, mask, token_types, positions, labels = unpack_lm_inputs(args[0])
         if token_types is not None or positions is not None:
             raise UnsupportedModelError(f"pipelined {FAMILY} does not take token_type_ids or position_ids (positions "
                                         "are 0..S-1); pass None")
