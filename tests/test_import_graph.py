@@ -354,9 +354,9 @@ LAYERS: dict[str, set[str]] = {
     "mics": {"exceptions", "core", "nn"},
     "tensor_parallel": {"exceptions", "core", "nn", "integrations"},
     "pipeline": {"exceptions", "core", "nn", "integrations"},
-    # `smp2ds checkpoint` (offline): reads checkpoints with the shard rules of the parallelism that wrote them
-    # and exports with smp.nn's Hugging Face translators
-    "checkpoint_tools": {"exceptions", "core", "nn", "tensor_parallel"},
+    # `smp2ds checkpoint` (offline): reads checkpoints with the families' shard rules and shard specs and
+    # exports with smp.nn's Hugging Face translators, all in nn
+    "checkpoint_tools": {"exceptions", "core", "nn"},
 }
 TOP = {"smp2ds.engine", "smp2ds.engine.creation"}
 """Modules above every package: the public ``smp.*`` surface, which gathers the parallelism packages."""

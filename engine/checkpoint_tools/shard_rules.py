@@ -3,7 +3,7 @@
 A partial file stores each rank's pieces under the full model's names but not how they were cut
 (SMP never recorded it). The cut is known from the name for every layer smp2ds shards:
 
-* Hugging Face blocks sharded in place (:data:`smp2ds.engine.tensor_parallel.families.RULES`):
+* Hugging Face blocks sharded in place (:data:`smp2ds.engine.nn.huggingface.families.BLOCK_RULES`):
   column projections split their output features (``nn.Linear`` weight dim 0, GPT-2 ``Conv1D``
   dim 1; bias dim 0; GPT-2's fused ``c_attn`` in 3 blocks), row projections their input
   features (weight dim 1, ``Conv1D`` dim 0; bias whole);
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from smp2ds.engine.tensor_parallel.families import RULES
+from smp2ds.engine.nn.huggingface.families import BLOCK_RULES as RULES
 
 _CONV1D_FAMILIES = frozenset({"gpt2"})
 _DISTRIBUTED_TRANSFORMER = ("smp_distributed_transformer",

@@ -1,6 +1,7 @@
 """Hugging Face transformer blocks, sharded Megatron-style by structure.
 
-Each rule names, for one block class, the projections that become column-parallel (query, key,
+Each rule (declared by the family's module in ``smp2ds.engine.nn.huggingface``) names, for one block
+class, the projections that become column-parallel (query, key,
 value, the MLP's up/gate), the row-parallel ones (attention output, MLP down), fused projections
 with their block count (GPT-2's ``c_attn`` holds q, k and v one after the other: 3 blocks;
 GPT-NeoX's ``query_key_value`` is laid out per head: 1 block) and the head-count attributes the
@@ -18,58 +19,19 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.nn.huggingface.families import BLOCK_RULES
+from smp2ds.engine.nn.parallel.block_rule import BlockRule
 from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.nn.parallel.layers import make_column_parallel, make_row_parallel
 from smp2ds.engine.nn.parallel.region import make_region
 
-
-@dataclass(frozen=True)
-class BlockRule:
-    """How to shard one transformer block class."""
-
-    family: str
-    column: tuple[str, ...]
-    row: tuple[str, ...]
-    heads: tuple[str, ...]
-    """``path.attr`` of per-rank sizes the attention reads (head counts, split sizes); divided by tp."""
-    fused: dict[str, int] = field(default_factory=dict)
-    """Column projections holding several equal blocks (q, k, v) side by side."""
-
-
-_LLAMA = BlockRule("llama", column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-                                    "mlp.up_proj"),
-                   row=("self_attn.o_proj", "mlp.down_proj"),
-                   heads=("self_attn.num_heads", "self_attn.num_key_value_heads"))
-_BERT = BlockRule("bert", column=("attention.self.query", "attention.self.key", "attention.self.value",
-                                  "intermediate.dense"),
-                  row=("attention.output.dense", "output.dense"),
-                  heads=("attention.self.num_attention_heads", "attention.self.all_head_size"))
-
-RULES: dict[str, BlockRule] = {
-    "GPT2Block": BlockRule("gpt2", column=("attn.c_attn", "mlp.c_fc"), row=("attn.c_proj", "mlp.c_proj"),
-                           heads=("attn.num_heads", "attn.split_size", "attn.embed_dim"),
-                           fused={"attn.c_attn": 3}),
-    "LlamaDecoderLayer": _LLAMA,
-    "MistralDecoderLayer": BlockRule("mistral", _LLAMA.column, _LLAMA.row, _LLAMA.heads),
-    "BertLayer": _BERT,
-    "RobertaLayer": BlockRule("roberta", _BERT.column, _BERT.row, _BERT.heads),
-    "GPTNeoXLayer": BlockRule("gpt_neox", column=("attention.query_key_value", "mlp.dense_h_to_4h"),
-                              row=("attention.dense", "mlp.dense_4h_to_h"),
-                              heads=("attention.num_attention_heads",)),
-    "GPTJBlock": BlockRule("gptj", column=("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in"),
-                           row=("attn.out_proj", "mlp.fc_out"),
-                           heads=("attn.num_attention_heads", "attn.embed_dim")),
-    "GPTNeoBlock": BlockRule("gpt_neo", column=("attn.attention.q_proj", "attn.attention.k_proj",
-                                                "attn.attention.v_proj", "mlp.c_fc"),
-                             row=("attn.attention.out_proj", "mlp.c_proj"),
-                             heads=("attn.attention.num_heads", "attn.attention.embed_dim")),
-}
-"""Block class name -> rule. Cross-attention blocks are refused (see :func:`shard_block`)."""
+RULES = BLOCK_RULES
+"""Block class name -> rule, from the family modules (:mod:`smp2ds.engine.nn.huggingface.families`).
+Cross-attention blocks are refused (see :func:`shard_block`)."""
 
 
 def blocks(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, BlockRule]]:

@@ -33,37 +33,18 @@ import torch
 from smp2ds.engine.core.partitioned_params import gathered_whole
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import SMPUnsupportedError
-from smp2ds.engine.integrations.transformers_compat import rope_parameters
 from smp2ds.engine.nn.huggingface import encoder_names
+from smp2ds.engine.nn.huggingface.families import ENCODER_ARGUMENTS, LM_REPLACEMENTS
 from smp2ds.engine.nn.huggingface.fresh import with_fresh_weights
-from smp2ds.engine.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
-from smp2ds.engine.nn.huggingface.gptj import translate_hf_state_dict_to_smdistributed_gptj
-from smp2ds.engine.nn.huggingface.gptneo import translate_hf_state_dict_to_smdistributed_gptneo
-from smp2ds.engine.nn.huggingface.gptneox import (
-    remember_num_attention_heads,
-    translate_hf_state_dict_to_smdistributed_gptneox,
-)
 from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.nn.parallel.group import TPGroup, current
 from smp2ds.engine.nn.parallel.shards import local_part
 from smp2ds.engine.nn.transformer import DistributedTransformer, DistributedTransformerLMHead
 from smp2ds.engine.tensor_parallel import registry
 
-REPLACED_CLASSES = ("GPT2LMHeadModel", "GPTNeoForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM", "BertEncoder",
-                    "RobertaEncoder")
+REPLACED_CLASSES = (*LM_REPLACEMENTS, *ENCODER_ARGUMENTS)
 """Hugging Face classes replaced: GPT-2, GPT-Neo, GPT-NeoX and GPT-J by ``DistributedTransformerLMHead``,
 BERT/RoBERTa encoders by ``DistributedTransformer``."""
-
-_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
-
-
-def _activation(family: str, field: str, value: str) -> str:
-    """The distributed transformer's activation for a Hugging Face config's ``field``, or a refusal."""
-    if value not in _ACTIVATIONS:
-        raise SMPUnsupportedError(f"{family} {field}={value!r} is not supported by the distributed transformer; "
-                                  f"supported: {sorted(_ACTIVATIONS)}")
-    return _ACTIVATIONS[value]
-
 
 def wants_replacement(module: torch.nn.Module) -> bool:
     """A marked model whose marking context carries SMP distributed-transformer settings."""
@@ -125,104 +106,6 @@ def _candidate(module: torch.nn.Module) -> str | None:
     return name if name in REPLACED_CLASSES else None
 
 
-def _gpt_sizes(config: Any, activation: str) -> dict[str, Any]:
-    """Arguments read the same way from GPT-2 and GPT-J configs (``n_embd``, ``n_head``, ``*_pdrop``, ...)."""
-    hidden, heads = config.n_embd, config.n_head
-    return {
-        "num_layers": config.n_layer, "num_attention_heads": heads, "attention_head_size": hidden // heads,
-        "hidden_size": hidden, "intermediate_size": config.n_inner or 4 * hidden, "vocab_size": config.vocab_size,
-        "num_positions": config.n_positions, "attention_dropout_prob": config.attn_pdrop,
-        "hidden_dropout_prob": config.resid_pdrop, "embedding_dropout_prob": config.embd_pdrop,
-        "activation": activation, "layernorm_epsilon": config.layer_norm_epsilon,
-        "causal_mask_size": config.n_positions, "initializer_range": config.initializer_range,
-    }
-
-
-def gpt2_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """``DistributedTransformerLMHead`` constructor arguments for a GPT-2 config (settings override)."""
-    if getattr(config, "add_cross_attention", False):
-        raise SMPUnsupportedError("GPT-2 with add_cross_attention=True cannot be replaced by "
-                                  "smp.nn.DistributedTransformerLMHead: cross attention is not implemented")
-    act = _activation("GPT-2", "activation_function", config.activation_function)
-    args = {
-        **_gpt_sizes(config, act),
-        "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True,
-        "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", True)),
-        "scale_attention_scores": bool(config.scale_attn_weights),
-        "scale_attn_by_layer_idx": bool(config.scale_attn_by_inverse_layer_idx),
-        "attention_in_fp32": bool(getattr(config, "reorder_and_upcast_attn", False)),
-    }
-    return {**args, **settings}
-
-
-def gptneox_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """``DistributedTransformerLMHead`` arguments for a GPT-NeoX config (rotary, parallel residual)."""
-    act = _activation("GPT-NeoX", "hidden_act", config.hidden_act)
-    rope = rope_parameters(config)
-    if rope.get("rope_type", "default") != "default":
-        raise SMPUnsupportedError(f"GPT-NeoX rope_type={rope['rope_type']!r} (scaled rotary) is not supported by "
-                                  "the distributed transformer; supported: 'default'")
-    if not getattr(config, "attention_bias", True):
-        raise SMPUnsupportedError("GPT-NeoX with attention_bias=False is not supported by the distributed transformer")
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    head_size = hidden // heads
-    factor = rope.get("partial_rotary_factor", getattr(config, "rotary_pct", 1.0))
-    args = {
-        "num_layers": config.num_hidden_layers, "num_attention_heads": heads, "attention_head_size": head_size,
-        "hidden_size": hidden, "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size,
-        "num_positions": config.max_position_embeddings, "attention_dropout_prob": config.attention_dropout,
-        "hidden_dropout_prob": config.hidden_dropout, "embedding_dropout_prob": config.hidden_dropout,
-        "activation": act, "layernorm_epsilon": config.layer_norm_eps,
-        "causal_mask_size": config.max_position_embeddings, "initializer_range": config.initializer_range,
-        "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True, "use_positional_embedding": False,
-        "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", False)),
-        # Hugging Face rotates 2 * ceil(d / 2) features for d = head_size * factor (one pair per frequency)
-        "rotary_dim": 2 * ((int(head_size * factor) + 1) // 2), "rotary_emb_base": rope.get("rope_theta", 10000),
-        "gpt_neox_type_rotary": True, "parallel_attn_output": bool(config.use_parallel_residual),
-    }
-    return {**args, **settings}
-
-
-def gptj_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """``DistributedTransformerLMHead`` arguments for a GPT-J config (interleaved rotary, one layer norm
-    for the parallel attention and MLP, no q/k/v or attention-output bias, a head with a bias, untied unless
-    ``tie_word_embeddings``)."""
-    act = _activation("GPT-J", "activation_function", config.activation_function)
-    if not config.rotary_dim:
-        raise SMPUnsupportedError(f"GPT-J with rotary_dim={config.rotary_dim!r} is not supported by the distributed "
-                                  "transformer; give a positive rotary_dim (64 for GPT-J-6B)")
-    args = {
-        **_gpt_sizes(config, act),
-        "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True, "use_positional_embedding": False,
-        "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", False)),
-        "use_lm_head_bias": True, "rotary_dim": config.rotary_dim,
-        "gpt_neox_type_rotary": False, "parallel_attn_output": True, "single_pre_layernorm": True,
-        "use_qkv_bias": False, "use_attn_dense_bias": False,
-    }
-    return {**args, **settings}
-
-
-def gptneo_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """``DistributedTransformerLMHead`` arguments for a GPT-Neo config: global and local (windowed) attention
-    layers, unscaled attention scores in fp32, no q/k/v bias, learned positions, head tied to the embedding."""
-    act = _activation("GPT-Neo", "activation_function", config.activation_function)
-    hidden, heads = config.hidden_size, config.num_heads
-    args = {
-        "num_layers": config.num_layers, "num_attention_heads": heads, "attention_head_size": hidden // heads,
-        "hidden_size": hidden, "intermediate_size": config.intermediate_size or 4 * hidden,
-        "vocab_size": config.vocab_size, "num_positions": config.max_position_embeddings,
-        "attention_dropout_prob": config.attention_dropout, "hidden_dropout_prob": config.resid_dropout,
-        "embedding_dropout_prob": config.embed_dropout, "activation": act,
-        "layernorm_epsilon": config.layer_norm_epsilon, "causal_mask_size": config.max_position_embeddings,
-        "initializer_range": config.initializer_range, "pre_layernorm": True, "post_layernorm": False,
-        "add_lm_head": True, "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", True)),
-        "scale_attention_scores": False, "attention_in_fp32": True, "use_qkv_bias": False,
-        "attention_layers_type": list(config.attention_layers), "window_size": config.window_size,
-        "mask_value": -1e9,  # as SMP's GPT-Neo replacement: unscaled fp32 scores can be large
-    }
-    return {**args, **settings}
-
-
 def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
     """The ``DistributedTransformerLMHead`` replacing Hugging Face GPT-2 / GPT-Neo / GPT-NeoX / GPT-J model ``hf``
     (same weights, fresh ones where Hugging Face's init was skipped; head tied as the config says)."""
@@ -230,19 +113,9 @@ def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
     settings = dict(marks.mark_of(hf).kwargs)
     # weights Hugging Face never initialised (its init skipped by the script) are drawn afresh
     state, _ = with_fresh_weights(hf, hf.state_dict(), hf.config.initializer_range)
-    if type(hf).__name__ == "GPTJForCausalLM":
-        new = DistributedTransformerLMHead(**gptj_arguments(hf.config, settings))
-        translated = translate_hf_state_dict_to_smdistributed_gptj(state)
-    elif type(hf).__name__ == "GPTNeoForCausalLM":
-        new = DistributedTransformerLMHead(**gptneo_arguments(hf.config, settings))
-        translated = translate_hf_state_dict_to_smdistributed_gptneo(state)
-    elif type(hf).__name__ == "GPTNeoXForCausalLM":
-        remember_num_attention_heads(hf.config.num_attention_heads)  # SMP's translators default to it
-        new = DistributedTransformerLMHead(**gptneox_arguments(hf.config, settings))
-        translated = translate_hf_state_dict_to_smdistributed_gptneox(state, hf.config.num_attention_heads)
-    else:
-        new = DistributedTransformerLMHead(**gpt2_arguments(hf.config, settings))
-        translated = translate_hf_state_dict_to_smdistributed_gpt2(state)
+    family = LM_REPLACEMENTS[type(hf).__name__]
+    new = DistributedTransformerLMHead(**family.arguments(hf.config, settings))
+    translated = family.translate(state, hf.config)
     weight = next(hf.parameters())
     new.to(device=weight.device, dtype=weight.dtype)
     load_full(new, head_as_built(new, translated), tp)
@@ -308,33 +181,10 @@ def smp_output_to_hf(out: Any) -> Any:
 
 
 # ---- BERT / RoBERTa encoders -> DistributedTransformer ---------------------------------------------
-def encoder_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """``DistributedTransformer`` arguments for a BERT/RoBERTa config (post-layernorm, no causal mask)."""
-    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
-        raise SMPUnsupportedError("a BERT/RoBERTa decoder (is_decoder / add_cross_attention) cannot be replaced by "
-                                  "smp.nn.DistributedTransformer: causal and cross attention are not implemented")
-    kind = getattr(config, "position_embedding_type", "absolute") or "absolute"
-    if kind != "absolute":
-        raise SMPUnsupportedError(f"BERT/RoBERTa position_embedding_type={kind!r} is not supported by "
-                                  "smp.nn.DistributedTransformer; supported: 'absolute'")
-    act = _activation("BERT/RoBERTa", "hidden_act", config.hidden_act)
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    args = {
-        "num_layers": config.num_hidden_layers, "num_attention_heads": heads, "attention_head_size": hidden // heads,
-        "hidden_size": hidden, "intermediate_size": config.intermediate_size,
-        "attention_dropout_prob": config.attention_probs_dropout_prob,
-        "hidden_dropout_prob": config.hidden_dropout_prob,
-        "activation": act, "layernorm_epsilon": config.layer_norm_eps,
-        "initializer_range": config.initializer_range, "causal_mask_size": None, "pre_layernorm": False,
-        "post_layernorm": True,
-    }
-    return {**args, **settings}
-
-
 def encoder_to_distributed_transformer(encoder: torch.nn.Module) -> torch.nn.Module:
     """The ``DistributedTransformer`` replacing a BERT/RoBERTa encoder (same weights, HF call contract)."""
     settings = {k: v for k, v in marks.mark_of(encoder).kwargs.items() if k not in _LM_HEAD_ONLY}
-    new = DistributedTransformer(**encoder_arguments(encoder.config, settings))
+    new = DistributedTransformer(**ENCODER_ARGUMENTS[type(encoder).__name__](encoder.config, settings))
     weight = next(encoder.parameters())
     new.to(device=weight.device, dtype=weight.dtype)
     load_full(new, encoder_names.hf_to_smp(encoder.state_dict(), "encoder replacement"), current())
@@ -373,8 +223,5 @@ def smp_encoder_output_to_hf(out: Any) -> Any:
     return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=out[0])
 
 
-_BUILDERS = {"GPT2LMHeadModel": to_distributed_transformer, "GPTNeoForCausalLM": to_distributed_transformer,
-             "GPTNeoXForCausalLM": to_distributed_transformer,
-             "GPTJForCausalLM": to_distributed_transformer,
-             "BertEncoder": encoder_to_distributed_transformer,
-             "RobertaEncoder": encoder_to_distributed_transformer}
+_BUILDERS = {**{name: to_distributed_transformer for name in LM_REPLACEMENTS},
+             **{name: encoder_to_distributed_transformer for name in ENCODER_ARGUMENTS}}

@@ -10,8 +10,9 @@ import torch
 import smdistributed.modelparallel.torch as smp
 from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import gpt2 as tr
+from smp2ds.engine.nn.huggingface.gpt2 import gpt2_arguments
 from smp2ds.engine.nn.parallel import marks
-from smp2ds.engine.tensor_parallel.transformer_replacement import gpt2_arguments, replace_marked
+from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine.hf_equivalence import assert_same_state
 
 VOCAB = 40

@@ -33,7 +33,10 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import older_name, same_layout
+from smp2ds.engine.nn.huggingface.dt_arguments import activation, gpt_sizes
+from smp2ds.engine.nn.parallel.block_rule import BlockRule
 
 _PLAIN_LAYER = {"ln_1": "attention.layernorm", "ln_2": "output.layernorm"}
 _T_LAYER = {"attn.c_proj": "attention.dense", "mlp.c_fc": "output.dense1", "mlp.c_proj": "output.dense2"}
@@ -148,3 +151,27 @@ def translate_state_dict_to_hf_gpt2_layer(state_dict: Mapping[str, Any],
 
 translate_hf_state_dict_to_smdistributed = older_name(
     "translate_hf_state_dict_to_smdistributed", translate_hf_state_dict_to_smdistributed_gpt2)
+
+
+# ---- GPT-2 for the tensor-parallel package and SMP's transformer replacement ------------------------------
+BLOCK_RULES = {"GPT2Block": BlockRule("gpt2", column=("attn.c_attn", "mlp.c_fc"), row=("attn.c_proj", "mlp.c_proj"),
+                                      heads=("attn.num_heads", "attn.split_size", "attn.embed_dim"),
+                                      fused={"attn.c_attn": 3})}
+"""GPT-2's block sharded in place: ``c_attn`` holds q, k and v one after the other (3 blocks)."""
+
+
+def gpt2_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """``DistributedTransformerLMHead`` constructor arguments for a GPT-2 config (settings override)."""
+    if getattr(config, "add_cross_attention", False):
+        raise SMPUnsupportedError("GPT-2 with add_cross_attention=True cannot be replaced by "
+                                  "smp.nn.DistributedTransformerLMHead: cross attention is not implemented")
+    act = activation("GPT-2", "activation_function", config.activation_function)
+    args = {
+        **gpt_sizes(config, act),
+        "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True,
+        "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", True)),
+        "scale_attention_scores": bool(config.scale_attn_weights),
+        "scale_attn_by_layer_idx": bool(config.scale_attn_by_inverse_layer_idx),
+        "attention_in_fp32": bool(getattr(config, "reorder_and_upcast_attn", False)),
+    }
+    return {**args, **settings}

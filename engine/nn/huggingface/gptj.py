@@ -15,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import older_name, rename_layers
+from smp2ds.engine.nn.huggingface.dt_arguments import activation, gpt_sizes
+from smp2ds.engine.nn.parallel.block_rule import BlockRule
 
 _TOP = {"transformer.wte.weight": "word_embedding.weight", "transformer.ln_f.weight": "transformer.layernorm.weight",
         "transformer.ln_f.bias": "transformer.layernorm.bias", "lm_head.weight": "lm_head.weight",
@@ -42,3 +45,28 @@ def translate_state_dict_to_hf_gptj(state_dict: Mapping[str, Any], max_seq_len: 
 
 translate_hf_gptj_state_dict_to_smdistributed = older_name(
     "translate_hf_gptj_state_dict_to_smdistributed", translate_hf_state_dict_to_smdistributed_gptj)
+
+
+# ---- GPT-J for the tensor-parallel package and SMP's transformer replacement ------------------------------
+BLOCK_RULES = {"GPTJBlock": BlockRule("gptj", column=("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in"),
+                                      row=("attn.out_proj", "mlp.fc_out"),
+                                      heads=("attn.num_attention_heads", "attn.embed_dim"))}
+
+
+def gptj_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """``DistributedTransformerLMHead`` arguments for a GPT-J config (interleaved rotary, one layer norm
+    for the parallel attention and MLP, no q/k/v or attention-output bias, a head with a bias, untied unless
+    ``tie_word_embeddings``)."""
+    act = activation("GPT-J", "activation_function", config.activation_function)
+    if not config.rotary_dim:
+        raise SMPUnsupportedError(f"GPT-J with rotary_dim={config.rotary_dim!r} is not supported by the distributed "
+                                  "transformer; give a positive rotary_dim (64 for GPT-J-6B)")
+    args = {
+        **gpt_sizes(config, act),
+        "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True, "use_positional_embedding": False,
+        "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", False)),
+        "use_lm_head_bias": True, "rotary_dim": config.rotary_dim,
+        "gpt_neox_type_rotary": False, "parallel_attn_output": True, "single_pre_layernorm": True,
+        "use_qkv_bias": False, "use_attn_dense_bias": False,
+    }
+    return {**args, **settings}

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from smp2ds.engine.nn.huggingface import older_name, rename_layers
+from smp2ds.engine.nn.huggingface.dt_arguments import activation
+from smp2ds.engine.nn.parallel.block_rule import BlockRule
 
 _TOP = {"transformer.wte.weight": "word_embedding.weight", "transformer.wpe.weight": "position_embedding.weight",
         "transformer.ln_f.weight": "transformer.layernorm.weight",
@@ -53,3 +55,31 @@ def translate_state_dict_to_hf_gptneo(state_dict: Mapping[str, Any], max_seq_len
 
 translate_hf_gptneo_state_dict_to_smdistributed = older_name(
     "translate_hf_gptneo_state_dict_to_smdistributed", translate_hf_state_dict_to_smdistributed_gptneo)
+
+
+# ---- GPT-Neo for the tensor-parallel package and SMP's transformer replacement ----------------------------
+BLOCK_RULES = {"GPTNeoBlock": BlockRule("gpt_neo", column=("attn.attention.q_proj", "attn.attention.k_proj",
+                                                           "attn.attention.v_proj", "mlp.c_fc"),
+                                        row=("attn.attention.out_proj", "mlp.c_proj"),
+                                        heads=("attn.attention.num_heads", "attn.attention.embed_dim"))}
+
+
+def gptneo_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """``DistributedTransformerLMHead`` arguments for a GPT-Neo config: global and local (windowed) attention
+    layers, unscaled attention scores in fp32, no q/k/v bias, learned positions, head tied to the embedding."""
+    act = activation("GPT-Neo", "activation_function", config.activation_function)
+    hidden, heads = config.hidden_size, config.num_heads
+    args = {
+        "num_layers": config.num_layers, "num_attention_heads": heads, "attention_head_size": hidden // heads,
+        "hidden_size": hidden, "intermediate_size": config.intermediate_size or 4 * hidden,
+        "vocab_size": config.vocab_size, "num_positions": config.max_position_embeddings,
+        "attention_dropout_prob": config.attention_dropout, "hidden_dropout_prob": config.resid_dropout,
+        "embedding_dropout_prob": config.embed_dropout, "activation": act,
+        "layernorm_epsilon": config.layer_norm_epsilon, "causal_mask_size": config.max_position_embeddings,
+        "initializer_range": config.initializer_range, "pre_layernorm": True, "post_layernorm": False,
+        "add_lm_head": True, "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", True)),
+        "scale_attention_scores": False, "attention_in_fp32": True, "use_qkv_bias": False,
+        "attention_layers_type": list(config.attention_layers), "window_size": config.window_size,
+        "mask_value": -1e9,  # as SMP's GPT-Neo replacement: unscaled fp32 scores can be large
+    }
+    return {**args, **settings}

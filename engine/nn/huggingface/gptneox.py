@@ -27,7 +27,11 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.integrations.transformers_compat import rope_parameters
 from smp2ds.engine.nn.huggingface import older_name, same_layout
+from smp2ds.engine.nn.huggingface.dt_arguments import activation
+from smp2ds.engine.nn.parallel.block_rule import BlockRule
 
 _TOP = {"gpt_neox.embed_in.weight": "word_embedding.weight", "gpt_neox.final_layer_norm.weight":
         "transformer.layernorm.weight", "gpt_neox.final_layer_norm.bias": "transformer.layernorm.bias",
@@ -135,3 +139,38 @@ def _installed_head_name() -> str:
     with torch.device("meta"):
         model = transformers.GPTNeoXForCausalLM(config)
     return "embed_out.weight" if hasattr(model, "embed_out") else "lm_head.weight"
+
+
+# ---- GPT-NeoX for the tensor-parallel package and SMP's transformer replacement ---------------------------
+BLOCK_RULES = {"GPTNeoXLayer": BlockRule("gpt_neox", column=("attention.query_key_value", "mlp.dense_h_to_4h"),
+                                         row=("attention.dense", "mlp.dense_4h_to_h"),
+                                         heads=("attention.num_attention_heads",))}
+"""GPT-NeoX's layer sharded in place: ``query_key_value`` is laid out per head (one block)."""
+
+
+def gptneox_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """``DistributedTransformerLMHead`` arguments for a GPT-NeoX config (rotary, parallel residual)."""
+    act = activation("GPT-NeoX", "hidden_act", config.hidden_act)
+    rope = rope_parameters(config)
+    if rope.get("rope_type", "default") != "default":
+        raise SMPUnsupportedError(f"GPT-NeoX rope_type={rope['rope_type']!r} (scaled rotary) is not supported by "
+                                  "the distributed transformer; supported: 'default'")
+    if not getattr(config, "attention_bias", True):
+        raise SMPUnsupportedError("GPT-NeoX with attention_bias=False is not supported by the distributed transformer")
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_size = hidden // heads
+    factor = rope.get("partial_rotary_factor", getattr(config, "rotary_pct", 1.0))
+    args = {
+        "num_layers": config.num_hidden_layers, "num_attention_heads": heads, "attention_head_size": head_size,
+        "hidden_size": hidden, "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size,
+        "num_positions": config.max_position_embeddings, "attention_dropout_prob": config.attention_dropout,
+        "hidden_dropout_prob": config.hidden_dropout, "embedding_dropout_prob": config.hidden_dropout,
+        "activation": act, "layernorm_epsilon": config.layer_norm_eps,
+        "causal_mask_size": config.max_position_embeddings, "initializer_range": config.initializer_range,
+        "pre_layernorm": True, "post_layernorm": False, "add_lm_head": True, "use_positional_embedding": False,
+        "tie_input_output_embedding": bool(getattr(config, "tie_word_embeddings", False)),
+        # Hugging Face rotates 2 * ceil(d / 2) features for d = head_size * factor (one pair per frequency)
+        "rotary_dim": 2 * ((int(head_size * factor) + 1) // 2), "rotary_emb_base": rope.get("rope_theta", 10000),
+        "gpt_neox_type_rotary": True, "parallel_attn_output": bool(config.use_parallel_residual),
+    }
+    return {**args, **settings}

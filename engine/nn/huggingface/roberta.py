@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from smp2ds.engine.nn.huggingface import encoder_names
+from smp2ds.engine.nn.huggingface.bert import BERT_LAYER
+from smp2ds.engine.nn.parallel.block_rule import BlockRule
 
 
 def translate_hf_state_dict_to_smdistributed_roberta(state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -18,3 +20,9 @@ def translate_hf_state_dict_to_smdistributed_roberta(state_dict: Mapping[str, An
 def translate_state_dict_to_hf_roberta(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """An SMP RoBERTa state dict -> Hugging Face's names (exact inverse)."""
     return encoder_names.smp_to_hf(state_dict, "translate_state_dict_to_hf_roberta")
+
+
+# ---- RoBERTa for the tensor-parallel package and SMP's transformer replacement ----------------------------
+BLOCK_RULES = {"RobertaLayer": BlockRule("roberta", BERT_LAYER.column, BERT_LAYER.row, BERT_LAYER.heads)}
+"""RoBERTa's layer is BERT's; its encoder is replaced with BERT's arguments
+(:func:`smp2ds.engine.nn.huggingface.bert.encoder_arguments`)."""
