@@ -41,6 +41,7 @@ from smp2ds.engine.exceptions import SMPInvalidArgumentError
 # DistributedModel's is_distributed_* / is_scaled_batch_* queries read tensor parallelism's marks
 # (false everywhere when nothing is marked); a light module (torch only), so imported at once.
 from smp2ds.engine.nn.parallel import introspect as parameter_roles
+from smp2ds.engine.nn.parallel import marks
 from smp2ds.translator.backend_choice import BACKENDS
 
 __all__ = ["make_backend", "parameter_roles", "prepare_groups", "prepare_module"]
@@ -89,7 +90,9 @@ def _parallelize(module: torch.nn.Module, around: Any = None) -> TensorParallelV
 
 def prepare_module(module: torch.nn.Module) -> torch.nn.Module:
     """SMP's distributed transformer replaces marked Hugging Face models (any tp degree) before the
-    backend is built; unmarked modules come back unchanged."""
+    backend is built; unmarked modules come back unchanged, without loading the replacement at all."""
+    if all(marks.mark_of(m) is None for m in module.modules()):
+        return module  # plain models (DDP, sdp, pipelines without smp.tensor_parallelism) have no mark
     # start-up: the replacement reads transformers' model classes
     from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 

@@ -8,6 +8,8 @@ flags is checked through the SMP API in ``test_backends_dist.py`` (forward outsi
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -88,3 +90,18 @@ def test_mics_with_tensor_parallelism_refuses_a_group_that_joins_batches():
     joining = SimpleNamespace(size=2, group=SimpleNamespace(prescaled_batch=False))
     with pytest.raises(SMPUnsupportedError, match="needs prescaled_batch: true"):
         _mics(joining)
+
+
+def test_an_unmarked_model_is_not_looked_at_by_the_transformer_replacement():
+    # a fresh interpreter: other tests import the replacement module
+    code = ("import sys, torch\n"
+            "from smp2ds.engine.core.backend_factory import prepare_module\n"
+            "from smp2ds.engine.nn.parallel import marks\n"
+            "plain = torch.nn.Sequential(torch.nn.Linear(2, 2))\n"
+            "assert prepare_module(plain) is plain\n"
+            "assert 'smp2ds.engine.tensor_parallel.transformer_replacement' not in sys.modules\n"
+            "marks.set_tensor_parallelism(plain)\n"
+            "assert prepare_module(plain) is plain\n"  # marked without transformer settings: sharded, not replaced
+            "assert 'smp2ds.engine.tensor_parallel.transformer_replacement' in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
