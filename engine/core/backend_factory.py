@@ -67,14 +67,13 @@ def make_backend(module: Any, state: Any) -> Backend:
         if name == "tensor-parallel+mics":
             view = _parallelize(module, around=sharding_around(module, plan_ds, microbatches, state.mics_groups))
         return DataParallelBackend(module, plan_ds, microbatches=microbatches,
-                                   sharding=MicsSharding(state.mics_groups, view), tensor_parallel=view)
+                                   sharding=MicsSharding(state.mics_groups, view))
     if name == "tensor-parallel":
         from smp2ds.engine.data_parallel.replicated import ReplicatedParameters  # start-up: only when chosen
 
         view = _parallelize(module)
         sharding = ReplicatedParameters(mpu=view.deepspeed_mpu(state.groups), tensor_parallel=view)
-        return DataParallelBackend(module, plan_ds, microbatches=microbatches, sharding=sharding,
-                                   tensor_parallel=view)
+        return DataParallelBackend(module, plan_ds, microbatches=microbatches, sharding=sharding)
     if name == "deepspeed-data-parallel":
         return DataParallelBackend(module, plan_ds, microbatches=microbatches)
     raise SMPInvalidArgumentError(f"the Plan's /engine/backend/name is {name!r}; this engine has the backends "

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from smp2ds.engine.core.tensor_parallel_view import TensorParallelView
+
 
 class ParameterSharding(Protocol):
     """Where parameters live and what follows from it (``backend`` below is the data-parallel backend)."""
@@ -23,6 +25,8 @@ class ParameterSharding(Protocol):
     """True when ``state_dict()`` is a collective (shards joined or partitions gathered)."""
     clips_in_step: bool
     """True when DeepSpeed clips inside the step at the configured value (``clip_master_grads`` refused)."""
+    tensor_parallel: TensorParallelView | None
+    """The model as ``parallelize`` sharded it (None without tensor parallelism)."""
     reduces_in_backward: bool
     """True when DeepSpeed reduces gradients inside every ``backward`` (ZeRO-3): nothing is left to reduce after
     the micro-batches, and the step's last backward runs as DeepSpeed's accumulation boundary."""

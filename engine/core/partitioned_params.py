@@ -4,9 +4,13 @@ module has them, and reading them whole for a while."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+
+Around = Callable[[torch.nn.Module], contextlib.AbstractContextManager]
+"""``around(module)``: a context in which ``module``'s parameters can be read and replaced whole (tensor
+parallelism shards a model born partitioned block by block inside it)."""
 
 
 def is_partitioned(module: torch.nn.Module) -> bool:

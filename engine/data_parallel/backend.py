@@ -6,7 +6,7 @@
 DeepSpeed engine calls, precision and clipping. Where the parameters live, and what follows from it (how the
 engine is initialised, whether gradients are reduced inside backward, the state dicts, the optimizer
 partition), it asks its :class:`~smp2ds.engine.core.parameter_sharding.ParameterSharding`, which the backend
-factory builds. With tensor parallelism it is also given the model ``parallelize`` sharded (a
+factory builds. With tensor parallelism the placement holds the model ``parallelize`` sharded (a
 :class:`~smp2ds.engine.core.tensor_parallel_view.TensorParallelView`): unequal batches are refused when the
 group joins them, and the group's per-rank gradients are combined before the reduction.
 
@@ -68,12 +68,12 @@ class DataParallelBackend:
     """The model may run outside ``@smp.step`` (evaluation code calling it directly)."""
 
     def __init__(self, module: torch.nn.Module, plan_ds: dict, *, microbatches: int,
-                 sharding: ParameterSharding | None = None, tensor_parallel: TensorParallelView | None = None):
-        """``sharding``: where parameters live (default: replicated, DDP / ZeRO-1, no tensor parallelism);
-        ``tensor_parallel``: the model as ``parallelize`` sharded it (None without tensor parallelism)."""
+                 sharding: ParameterSharding | None = None):
+        """``sharding``: where parameters live, and the tensor-parallel model they belong to (default:
+        replicated, DDP / ZeRO-1, no tensor parallelism)."""
         self.module = module
         self.sharding: ParameterSharding = sharding if sharding is not None else ReplicatedParameters()
-        self.tensor_parallel = tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
+        self.tensor_parallel: TensorParallelView | None = self.sharding.tensor_parallel
         self.name: str = self.sharding.name
         self.collective_state_dict: bool = self.sharding.collective_state_dict
         self.clips_in_step: bool = self.sharding.clips_in_step

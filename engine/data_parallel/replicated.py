@@ -19,9 +19,9 @@ class ReplicatedParameters:
 
     def __init__(self, mpu: Any = None, tensor_parallel: TensorParallelView | None = None) -> None:
         self._mpu = mpu
-        self._tensor_parallel = tensor_parallel
-        self.name = "deepspeed-data-parallel" if tensor_parallel is None else "tensor-parallel"
-        self.collective_state_dict = tensor_parallel is not None
+        self.tensor_parallel = tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
+        self.name = "deepspeed-data-parallel" if self.tensor_parallel is None else "tensor-parallel"
+        self.collective_state_dict = self.tensor_parallel is not None
 
     def initialize(self, *, model: Any, optimizer: Any, config: dict) -> tuple:
         import deepspeed  # start-up: DeepSpeed is imported when the first engine is built
@@ -45,8 +45,8 @@ class ReplicatedParameters:
 
     def full_state_dict(self, backend: Any, prefix: str, keep_vars: bool) -> dict:
         """The whole module's state dict; tensor-parallel shards joined (a collective over the group)."""
-        if self._tensor_parallel is not None:
-            return self._tensor_parallel.join(backend.module.state_dict(prefix=prefix, keep_vars=True), keep_vars)
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel.join(backend.module.state_dict(prefix=prefix, keep_vars=True), keep_vars)
         return backend.module.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def local_state_dict(self, backend: Any, prefix: str, keep_vars: bool) -> dict:
@@ -55,6 +55,6 @@ class ReplicatedParameters:
 
     def load_module_state_dict(self, backend: Any, state_dict: dict, strict: bool) -> Any:
         """Load full tensors (cut to this rank's tensor-parallel shard) or this rank's shards."""
-        if self._tensor_parallel is not None:
-            state_dict = self._tensor_parallel.cut(backend.module.state_dict(keep_vars=True), state_dict)
+        if self.tensor_parallel is not None:
+            state_dict = self.tensor_parallel.cut(backend.module.state_dict(keep_vars=True), state_dict)
         return backend.module.load_state_dict(state_dict, strict=strict)

@@ -9,18 +9,16 @@ pieces, still ordinary tensors) are partitioned over the shard group at once.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from smp2ds.engine.core.deepspeed_config import engine_config
-from smp2ds.engine.core.partitioned_params import gathered_whole, is_partitioned
+from smp2ds.engine.core.partitioned_params import Around, gathered_whole, is_partitioned
 from smp2ds.engine.mics.mpu import ShardGroupMPU
 from smp2ds.engine.mics.shard_groups import MicsGroups
 from smp2ds.engine.mics.zero3 import shard_ds_config
-
-Around = Callable[[torch.nn.Module], contextlib.AbstractContextManager]
 
 
 def sharding_around(module: torch.nn.Module, plan_ds: Mapping[str, Any], microbatches: int,

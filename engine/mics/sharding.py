@@ -99,11 +99,8 @@ class MicsSharding:
         backend.ensure_built()
         if self.tensor_parallel is None:
             return load_full_state_dict(backend.engine, state_dict, strict=strict)
-        view = self.tensor_parallel
         with _gathered(backend, modifier_rank=0) as own:
-            cut = {k: view.local_part(own[k], v) if k in own and isinstance(v, torch.Tensor) else v
-                   for k, v in state_dict.items()}
-            result = backend.module.load_state_dict(cut, strict=strict)
+            result = backend.module.load_state_dict(self.tensor_parallel.cut(own, state_dict), strict=strict)
         if backend.ds_optimizer is not None and hasattr(backend.ds_optimizer, "refresh_fp32_params"):
             backend.ds_optimizer.refresh_fp32_params()
         return result

@@ -170,8 +170,11 @@ class PipelineBackend:
         if self.tensor_parallel is not None:
             return self._stage_grad_norm(self.tensor_parallel, params, norm_type) / self.loss_scale
         grads = [p.grad.detach().float() for p in params if p.grad is not None]
-        local = sum((torch.linalg.vector_norm(g, 2) ** 2 for g in grads), torch.tensor(0.0))
-        comm.all_reduce(local, group=self._state.groups.group("pp"))
+        pipe_group = self._state.groups.group("pp")
+        # born where the group communicates: a stage may hold no gradient
+        start = torch.zeros((), device=comm.tensor_device(pipe_group))
+        local = sum((torch.linalg.vector_norm(g, 2) ** 2 for g in grads), start)
+        comm.all_reduce(local, group=pipe_group)
         return local.sqrt() / self.loss_scale
 
     def _stage_grad_norm(self, view: TensorParallelView, params: list[torch.nn.Parameter],

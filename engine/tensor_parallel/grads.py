@@ -72,13 +72,16 @@ def grad_norm(params: Iterable[torch.nn.Parameter], tp: TPGroup, norm_type: floa
     for p in params:
         if p.grad is not None:
             (sharded if spec_of(p) is not None else replicated).append(p.grad.detach().float())
+    # the collective's tensor is born where the group communicates (a rank may hold no shard's gradient)
+    device = comm.tensor_device(tp.handle)
     if norm_type == float("inf"):
-        local = torch.stack([g.abs().max() for g in sharded]).max() if sharded else torch.tensor(0.0)
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        local = torch.stack([g.abs().max() for g in sharded]).max().to(device) if sharded else zero
         local = local.clone()
         comm.all_reduce(local, op=comm.ReduceOp.MAX, group=tp.handle)
-        rep = torch.stack([g.abs().max() for g in replicated]).max() if replicated else torch.tensor(0.0)
+        rep = torch.stack([g.abs().max() for g in replicated]).max().to(device) if replicated else zero
         return torch.maximum(local, rep)
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for g in sharded:
         total = total + g.abs().pow(norm_type).sum()
     comm.all_reduce(total, group=tp.handle)

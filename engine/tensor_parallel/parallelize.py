@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.core import comm
+from smp2ds.engine.core.partitioned_params import Around
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.parallel.group import TPGroup, current
 from smp2ds.engine.nn.parallel.region import first_tensor
@@ -110,7 +111,7 @@ class TensorParallelModel:
         return grads.grad_norm(params, self.group, norm_type)
 
 
-def parallelize(module: torch.nn.Module, *, around: registry.Around | None = None) -> TensorParallelModel:
+def parallelize(module: torch.nn.Module, *, around: Around | None = None) -> TensorParallelModel:
     """Shard ``module``'s marked modules in place over this rank's tensor-parallel group (nothing at degree 1)
     and return it with its tensor-parallel view. ``around``: a context in which a block's parameters can be
     read and replaced whole (models born partitioned by ZeRO-3)."""

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.core import comm
+from smp2ds.engine.core.partitioned_params import Around
 from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.nn.parallel.marks import Mark, mark_of
 from smp2ds.engine.nn.parallel.modules import DistributedEmbedding, DistributedLinear
@@ -32,8 +33,6 @@ from smp2ds.engine.tensor_parallel import families
 INIT_ARGS = "_smp2ds_init_args"
 
 
-Around = Callable[[torch.nn.Module], contextlib.AbstractContextManager]
-"""``around(module)``: a context in which ``module``'s parameters can be read and replaced whole."""
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,12 @@ GROUPS = SimpleNamespace()  # MiCS shard groups: not read until the engine is bu
 
 def _data_parallel(view=None):
     sharding = ReplicatedParameters(tensor_parallel=view)
-    return DataParallelBackend(torch.nn.Linear(2, 2), {}, microbatches=1, sharding=sharding, tensor_parallel=view)
+    return DataParallelBackend(torch.nn.Linear(2, 2), {}, microbatches=1, sharding=sharding)
 
 
 def _mics(view=None):
     sharding = MicsSharding(GROUPS, view)
-    return DataParallelBackend(torch.nn.Linear(2, 2), {}, microbatches=1, sharding=sharding, tensor_parallel=view)
+    return DataParallelBackend(torch.nn.Linear(2, 2), {}, microbatches=1, sharding=sharding)
 
 
 # name -> (build one, (cast_io, collective_state_dict, can_rebuild_optimizer, forward_needs_step, clips_in_step)):
