@@ -20,7 +20,14 @@ log = logging.getLogger("smp2ds")
 
 
 class ConfigView:
-    """Attribute access to every canonical SMP key of the validated config (``cfg.microbatches``)."""
+    """Attribute access to every canonical SMP key of the validated config (``cfg.microbatches``).
+
+    One key reads the run, not the dict: ``shard_optimizer_state`` is True whenever the optimizer state is
+    sharded over the reduced-data-parallel ranks, which sharded data parallelism does too. Scripts (Hugging Face's
+    ``Trainer`` among them) read it to decide whether every rdp rank saves its own optimizer part (``v3``) or only
+    rdp rank 0 saves one for all; under sharded data parallelism rank 0's part is not everyone's. The config as
+    given stays in ``get_config_dict()`` and ``smp_config``.
+    """
 
     def __init__(self, config: Any, plan: Any):
         self._config = config
@@ -29,6 +36,8 @@ class ConfigView:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        if name == "shard_optimizer_state":
+            return bool(self._config.shard_optimizer_state) or self.zero2d_enabled()
         if name == "_fp16_param_init":
             return bool(self._config.params.get("fp16") or self._config.params.get("fp16_params"))
         return getattr(self._config, name)

@@ -37,7 +37,8 @@ defers to transformers' own when SMP is not enabled. An older transformers is re
    data-parallel ranks (``args.world_size`` is ``smp.dp_size()``): the stages of one pipeline read
    the same batch. Every data loader's shard is re-pointed at the data-parallel rank.
 5. Evaluation gathers through ``smp.allgather`` over the data-parallel group (transformers'
-   ``smp_gather``, as its SMP releases did), so predictions and labels hold each sample exactly
+   ``smp_gather``, as its SMP releases did; over the rdp group when the tensor-parallel ranks share their batch,
+   ``prescaled_batch``), so predictions and labels hold each sample exactly
    once (accelerate would gather one copy per pipeline stage); the padding accelerate adds to the
    last batch is dropped as its ``gather_for_metrics`` does.
 """
@@ -148,19 +149,36 @@ def _truncate(data: Any, n: int) -> Any:
     return data[:n]
 
 
+def _sample_group() -> CommGroup:
+    """The group whose ranks hold different samples: the data-parallel group, or with ``prescaled_batch`` and
+    tensor parallelism (the tensor-parallel ranks share their batch, as transformers shards it by rdp rank) the
+    reduced-data-parallel group, so each sample is gathered once."""
+    if state.cfg.prescaled_batch and state.groups.topology.tp > 1:
+        return CommGroup.RDP_GROUP
+    return CommGroup.DP_GROUP
+
+
+def _gather_tensors(data: Any, group: CommGroup) -> Any:
+    """transformers' ``smp_gather`` over ``group``: each tensor of the tree concatenated over the group's ranks."""
+    if isinstance(data, (list, tuple)):
+        return type(data)(_gather_tensors(d, group) for d in data)
+    if isinstance(data, dict):
+        return type(data)({k: _gather_tensors(v, group) for k, v in data.items()})
+    return torch.cat([torch.atleast_1d(t).cpu() for t in allgather(data, group)], dim=0)
+
+
 def _gather_over_data_parallel(accelerator: Any, data: Any, use_gather_object: bool = False) -> Any:
-    """``accelerator.gather_for_metrics`` under SMP: ``smp.allgather`` over the data-parallel group."""
-    from transformers.trainer_pt_utils import smp_gather
-
-
+    """``accelerator.gather_for_metrics`` under SMP: ``smp.allgather`` over the ranks that hold different
+    samples (:func:`_sample_group`)."""
+    group = _sample_group()
     if use_gather_object or not _is_tensor_tree(data):
-        gathered = [item for part in allgather(data, CommGroup.DP_GROUP) for item in part]
+        gathered = [item for part in allgather(data, group) for item in part]
     else:
-        gathered = smp_gather(data)
-    state = accelerator.gradient_state
+        gathered = _gather_tensors(data, group)
+    gradients = accelerator.gradient_state
     # The last batch is padded (with repeated samples) so every rank has one; drop the padding.
-    if state.end_of_dataloader and state.remainder > 0:
-        return _truncate(gathered, state.remainder)
+    if gradients.end_of_dataloader and gradients.remainder > 0:
+        return _truncate(gathered, gradients.remainder)
     return gathered
 
 

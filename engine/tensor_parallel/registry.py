@@ -28,7 +28,7 @@ from smp2ds.engine.core.partitioned_params import Around
 from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.nn.parallel.marks import Mark, mark_of
 from smp2ds.engine.nn.parallel.modules import DistributedEmbedding, DistributedLinear
-from smp2ds.engine.tensor_parallel import families
+from smp2ds.engine.tensor_parallel import families, held_weights
 
 INIT_ARGS = "_smp2ds_init_args"
 
@@ -106,6 +106,9 @@ class Report:
     sharded_blocks: list[str] = field(default_factory=list)
     replaced: dict[str, str] = field(default_factory=dict)
     kept_shared: list[str] = field(default_factory=list)
+    fresh: list[str] = field(default_factory=list)
+    """Parameters of replaced modules that start from their distributed class's own init (Hugging Face's init
+    skipped, or nothing held), by their names in the model."""
 
 
 def sync_replicas(module: torch.nn.Module, tp: TPGroup) -> None:
@@ -175,6 +178,7 @@ def apply(root: torch.nn.Module, tp: TPGroup, around: Around | None = None) -> R
         return report
     sync_replicas(root, tp)
     shared = _shared_params(root)
+    hf_marks = held_weights.hf_marks(root)
 
     def visit(module: torch.nn.Module, prefix: str) -> None:
         mark = mark_of(module)
@@ -196,7 +200,12 @@ def apply(root: torch.nn.Module, tp: TPGroup, around: Around | None = None) -> R
                         reg.dist_module.can_distribute(*_builtin_args(child)[0], **_builtin_args(child)[1]):
                     visit(child, path + ".")
                     continue
+                with around(child):
+                    values = held_weights.held(child, hf_marks)
+                from_hf = any(hf_marks.get(id(p), False) for p in child.parameters())
                 new = _replace(child, reg, child_mark.kwargs)
+                kept = held_weights.carry_into(new, values, tp.rank, path=path, from_hf_model=from_hf)
+                report.fresh += [f"{path}.{n}" for n, _ in new.named_parameters() if not kept or n not in values]
                 with around(new):
                     setattr(module, name, new)
                 report.replaced[path] = type(getattr(module, name)).__name__

@@ -104,3 +104,20 @@ def test_cast_floating_only_touches_floating_tensors():
     back = model_io.cast_floating(half, torch.float32, only=torch.float16)
     assert back["a"].dtype == torch.float32 and back["t"][0].dtype == torch.float32
     assert model_io.strip_markers({"_smp_is_partial": True, "w": 1}) == {"w": 1}
+
+
+@pytest.mark.parametrize(("params", "sharded"), [
+    ({"ddp": True}, False),
+    ({"ddp": True, "shard_optimizer_state": True}, True),
+    ({"ddp": True, "sharded_data_parallel_degree": 2}, True),
+])
+def test_shard_optimizer_state_reads_whether_the_run_shards_the_optimizer_state(params, sharded):
+    """Scripts (Hugging Face's Trainer) decide from smp.state.cfg.shard_optimizer_state whether every rdp rank
+    saves its own optimizer part; under sharded data parallelism it must read True. The config as given is kept."""
+    from smp2ds.engine.core.state import ConfigView
+    from smp2ds.translator import normalize
+    from smp2ds.translator.plan_types import Layout
+
+    view = ConfigView(normalize(params, Layout(world_size=2)), None)
+    assert view.shard_optimizer_state is sharded
+    assert view.get_config_dict()["shard_optimizer_state"] is params.get("shard_optimizer_state", False)

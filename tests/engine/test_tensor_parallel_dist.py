@@ -142,14 +142,22 @@ def _check_checkpoints(per_rank: list) -> None:
 
 
 def _check_fresh_weights(per_rank: list, seed: int) -> None:
-    """tensor_parallel_seed's effect: every rank sees the same full fresh weights of the replaced
-    modules, drawn from seed + the module's index in creation order (the MLP phase)."""
+    """tensor_parallel_seed's effect: ``smp.nn`` modules built directly hold, joined over the tensor-parallel
+    ranks, the full fresh weights drawn from seed + the module's index in creation order (the MLP phase).
+    The MLP's ``nn.Linear``/``nn.Embedding`` layers replaced by them keep the weights they were built with."""
     expected = tw.fresh_mlp_weights(seed)
-    for results in per_rank:
-        for key, value in expected.items():
-            _close(results[1]["fresh"][key], value, f"fresh {key}")
+    pieces = [results[1]["fresh"] for results in per_rank]
+    joined = {}
+    for key in expected:
+        dim = 1 if key == "emb.weight" else 0  # DistributedEmbedding splits embedding_dim, DistributedLinear out
+        joined[key] = torch.cat([torch.as_tensor(p[key]) for p in pieces], dim=dim)
+        _close(joined[key], expected[key], f"fresh {key}")
     other = tw.fresh_mlp_weights(seed + 100)
-    assert not torch.allclose(torch.as_tensor(per_rank[0][1]["fresh"]["up.weight"]), other["up.weight"])
+    assert not torch.allclose(joined["up.weight"], other["up.weight"])
+    built = tw.plain_model("mlp", RUNS["tp2-mb2"][2][1]["seed"]).state_dict()
+    for results in per_rank:
+        for key, value in built.items():
+            _close(results[1]["kept"][key], value, f"kept {key}", atol=0)
 
 
 @pytest.mark.slow

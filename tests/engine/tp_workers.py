@@ -3,8 +3,9 @@
 Models: a tiny GPT-2 / LLaMA / BERT built inside ``smp.model_creation(tensor_parallelism=True)``
 (Hugging Face blocks sharded in place, weights kept: every rank builds them from the same seed), and
 an MLP built inside ``smp.tensor_parallelism()`` (its ``nn.Linear`` layers become
-``smp.nn.DistributedLinear`` with fresh weights; the run then loads the reference's full state dict,
-which the engine cuts into shards).
+``smp.nn.DistributedLinear``, keeping the weights they were built with; the run then loads the reference's full
+state dict, which the engine cuts into shards). ``smp.nn`` modules built directly draw fresh weights from
+``tensor_parallel_seed``.
 
 Data: ``prescaled_batch`` false: every rank of SMP's data-parallel group (tp x rdp ranks) takes rows
 ``[dp_rank*b, (dp_rank+1)*b)`` of the step's global batch. True: the tensor-parallel group shares
@@ -131,7 +132,9 @@ def reference(phase: dict, data_ranks: int, b: int) -> dict:
 def _train(smp: Any, phase: dict, b: int) -> dict:
     kind = phase["model"]
     prescaled = bool(smp.state.cfg.prescaled_batch)
+    fresh = fresh_smp_nn_shards(smp) if kind == "mlp" else None
     if kind == "mlp":
+        torch.manual_seed(phase["seed"])
         with smp.tensor_parallelism():
             net = MLP()
     else:
@@ -145,7 +148,7 @@ def _train(smp: Any, phase: dict, b: int) -> dict:
         for name in out["report"]["sharded_blocks"]:
             smp.set_activation_checkpointing(net.get_submodule(name))
     if kind == "mlp":
-        out["fresh"] = model.state_dict()  # seeded from tensor_parallel_seed, identical on all ranks
+        out["kept"], out["fresh"] = _copy(model.state_dict()), fresh
         model.load_state_dict(plain_model(kind, phase["seed"]).state_dict())
     full = model.state_dict()
     out["shards"] = {n: (p.numel(), full[n].numel()) for n, p in model.named_parameters()}
@@ -230,6 +233,14 @@ def run_tensor_parallel(config: dict, phases: list[dict], b: int) -> list[dict]:
                               "rdp_group": smp.get_rdp_group()}})
     smp.barrier()
     return plain(results)
+
+
+def fresh_smp_nn_shards(smp: Any) -> dict[str, torch.Tensor]:
+    """This rank's shards of the MLP's layers built directly from ``smp.nn`` (fresh weights from
+    ``tensor_parallel_seed``'s stream, in creation order), before anything else of the phase draws from it."""
+    layers = {"emb": smp.nn.DistributedEmbedding(VOCAB, 16), "up": smp.nn.DistributedLinear(16, 32),
+              "down": smp.nn.DistributedLinear(32, 16), "head": smp.nn.DistributedLinear(16, VOCAB)}
+    return {f"{name}.{p}": t.detach().clone() for name, layer in layers.items() for p, t in layer.named_parameters()}
 
 
 def fresh_mlp_weights(seed: int) -> dict[str, torch.Tensor]:

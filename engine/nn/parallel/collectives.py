@@ -45,7 +45,9 @@ def _gather(x: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
 
 def _own(x: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
     size = x.shape[dim] // tp.size
-    return x.narrow(dim, tp.rank * size, size).contiguous()
+    # a copy, never a view: autograd forbids in-place updates of a custom Function's view output, and blocks such
+    # as Falcon's add into a region's output in place (``mlp_output += attention_output``)
+    return x.narrow(dim, tp.rank * size, size).clone(memory_format=torch.contiguous_format)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
