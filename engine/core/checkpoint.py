@@ -31,6 +31,7 @@ import torch
 from smp2ds.engine.core import checkpoint_commit as commit
 from smp2ds.engine.core import checkpoint_verify
 from smp2ds.engine.core import object_collectives as collectives
+from smp2ds.engine.core.pretrained_save import to_hf_names
 from smp2ds.engine.core.ranks import CommGroup
 from smp2ds.engine.core.save_load import atomic_torch_save, fsync_dir
 from smp2ds.engine.core.state import state
@@ -128,8 +129,7 @@ def _save_full(path: str, tag: str, model: Any, optimizer: Any, user_content: An
     if model is not None:
         sd = model.state_dict()
         if translate_if_full and state.module_manager.translate_functions:
-            for smp_to_hf, _ in state.module_manager.translate_functions:
-                sd = smp_to_hf(sd)
+            sd = to_hf_names(sd)
         else:
             sd["_smp_is_partial"] = False
         if rank == 0:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from smp2ds.engine.core import device_placement, model_io
+from smp2ds.engine.core import device_placement, model_io, pretrained_save
 from smp2ds.engine.core.backend import Backend
 from smp2ds.engine.core.backend_factory import make_backend, parameter_roles, prepare_module
 from smp2ds.engine.core.state import state
@@ -274,14 +274,23 @@ class DistributedModel(torch.nn.Module):
         same_partition_load: bool = True,
         assign: bool = False,
     ) -> Any:
-        """Load a full, partial or plain PyTorch state dict (markers are stripped)."""
+        """Load a full, partial or plain PyTorch state dict (markers are stripped). A plain dict in Hugging Face's
+        names (not marked ``_smp_is_partial``) goes through the replacements' ``hf_to_smp`` functions first."""
         sd = model_io.strip_markers(state_dict)
         if translate_function is not None:
             sd = translate_function(sd)
+        elif "_smp_is_partial" not in state_dict:
+            for _, hf_to_smp in state.module_manager.translate_functions:
+                sd = hf_to_smp(sd)
         result = self.backend.load_module_state_dict(sd, strict=strict)
         if self.backend.engine is not None:
             self.backend.refresh_master_params()
         return result
+
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
+        """The gathered model in Hugging Face's format and names, written by rank 0 (collective; see
+        :mod:`smp2ds.engine.core.pretrained_save`)."""
+        pretrained_save.save_pretrained(self, save_directory, **kwargs)
 
     # ---- parameters and modules (delegate to the wrapped module, as SMP did) ----------------------
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:

@@ -41,6 +41,7 @@ from smp2ds.engine.nn.parallel.group import TPGroup, current
 from smp2ds.engine.nn.parallel.shards import local_part
 from smp2ds.engine.nn.transformer import DistributedTransformer, DistributedTransformerLMHead
 from smp2ds.engine.tensor_parallel import registry
+from smp2ds.engine.tensor_parallel.hf_names import NameTranslation
 
 REPLACED_CLASSES = (*LM_REPLACEMENTS, *ENCODER_ARGUMENTS)
 """Hugging Face classes replaced: GPT-2, GPT-Neo, GPT-NeoX and GPT-J by ``DistributedTransformerLMHead``,
@@ -57,9 +58,11 @@ def replace_marked(root: torch.nn.Module) -> torch.nn.Module:
     ``smp.DistributedModel`` before its backend; returns the new root when ``root`` itself is one).
 
     The Hugging Face model around a replaced encoder (its embeddings, pooler, heads) is unmarked:
-    it stays whole on every rank with its weights, as SMP's ``distribute_embedding=False``."""
+    it stays whole on every rank with its weights, as SMP's ``distribute_embedding=False``. Each replacement
+    registers its ``(smp_to_hf, hf_to_smp)`` pair in ``smp.state.module_manager.translate_functions``
+    (:mod:`hf_names`), as SMP's did."""
     owners: list[torch.nn.Module] = []
-    new = _replace(root, None, owners)
+    new = _replace(root, None, owners, "")
     for owner in owners:
         for m in owner.modules():
             if marks.mark_of(m) is not None:
@@ -67,8 +70,9 @@ def replace_marked(root: torch.nn.Module) -> torch.nn.Module:
     return new
 
 
-def _replace(module: torch.nn.Module, owner: torch.nn.Module | None, owners: list) -> torch.nn.Module:
-    """``owner``: the outermost Hugging Face model (a module with ``config``) above ``module``."""
+def _replace(module: torch.nn.Module, owner: torch.nn.Module | None, owners: list, prefix: str) -> torch.nn.Module:
+    """``owner``: the outermost Hugging Face model (a module with ``config``) above ``module``; ``prefix``: the
+    state-dict prefix of ``module`` in the wrapped model."""
     owner = owner if owner is not None else (module if hasattr(module, "config") else None)
     kind = _candidate(module)
     if kind is not None:
@@ -79,9 +83,12 @@ def _replace(module: torch.nn.Module, owner: torch.nn.Module | None, owners: lis
         if owner is not None and owner is not module and owner not in owners:
             owners.append(owner)
         with gathered_whole(owner or module):  # parameters born partitioned (sdp, delayed init) are read whole
-            return _BUILDERS[kind](module)
+            new = _BUILDERS[kind](module)
+        translation = _TRANSLATIONS[kind](module, new, prefix)
+        state.module_manager.translate_functions.append((translation.smp_to_hf, translation.hf_to_smp))
+        return new
     for name, child in list(module.named_children()):
-        new = _replace(child, owner, owners)
+        new = _replace(child, owner, owners, f"{prefix}{name}.")
         if new is not child:
             setattr(module, name, new)
     return module
@@ -112,10 +119,10 @@ def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
     tp = current()
     settings = dict(marks.mark_of(hf).kwargs)
     # weights Hugging Face never initialised (its init skipped by the script) are drawn afresh
-    state, _ = with_fresh_weights(hf, hf.state_dict(), hf.config.initializer_range)
+    weights, _ = with_fresh_weights(hf, hf.state_dict(), hf.config.initializer_range)
     family = LM_REPLACEMENTS[type(hf).__name__]
     new = DistributedTransformerLMHead(**family.arguments(hf.config, settings))
-    translated = family.translate(state, hf.config)
+    translated = family.translate(weights, hf.config)
     weight = next(hf.parameters())
     new.to(device=weight.device, dtype=weight.dtype)
     load_full(new, head_as_built(new, translated), tp)
@@ -223,5 +230,34 @@ def smp_encoder_output_to_hf(out: Any) -> Any:
     return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=out[0])
 
 
+def _module_name(root: torch.nn.Module, module: Any) -> str | None:
+    return next((name for name, m in root.named_modules() if m is module), None)
+
+
+def lm_names(hf: torch.nn.Module, new: torch.nn.Module, prefix: str) -> NameTranslation:
+    """The names of a causal LM replaced by ``new`` (``DistributedTransformerLMHead``), both ways. A tied head is
+    written under the Hugging Face head's name too, as ``hf.state_dict()`` has it."""
+    family, config = LM_REPLACEMENTS[type(hf).__name__], hf.config
+    head, embedding = _module_name(hf, hf.get_output_embeddings()), _module_name(hf, hf.get_input_embeddings())
+
+    def to_hf(sd: dict[str, Any]) -> dict[str, Any]:
+        out = family.to_hf(sd, config)
+        if new.lm_head is None and head and embedding and f"{head}.weight" not in out:
+            out[f"{head}.weight"] = out[f"{embedding}.weight"]
+        return out
+
+    return NameTranslation(prefix, frozenset(new.state_dict()), to_hf,
+                           lambda sd: head_as_built(new, family.translate(sd, config)))
+
+
+def encoder_names_of(encoder: torch.nn.Module, new: torch.nn.Module, prefix: str) -> NameTranslation:
+    """The names of a BERT/RoBERTa encoder replaced by ``new`` (``DistributedTransformer``), both ways."""
+    return NameTranslation(prefix, frozenset(new.state_dict()),
+                           lambda sd: encoder_names.smp_to_hf(sd, "smp_to_hf"),
+                           lambda sd: encoder_names.hf_to_smp(sd, "hf_to_smp"))
+
+
 _BUILDERS = {**{name: to_distributed_transformer for name in LM_REPLACEMENTS},
              **{name: encoder_to_distributed_transformer for name in ENCODER_ARGUMENTS}}
+_TRANSLATIONS = {**{name: lm_names for name in LM_REPLACEMENTS},
+                 **{name: encoder_names_of for name in ENCODER_ARGUMENTS}}

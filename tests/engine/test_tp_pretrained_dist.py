@@ -20,6 +20,7 @@ import torch
 
 from tests._dist import run_ranks
 from tests.engine import tp_pretrained_workers as pw
+from tests.engine.hf_equivalence import close
 
 STEPS, LR = 2, 0.1
 
@@ -36,11 +37,6 @@ LAYOUTS = {
 }
 
 
-def _close(got, want, what: str, atol: float = 1e-5) -> None:
-    torch.testing.assert_close(torch.as_tensor(got).float(), torch.as_tensor(want).float(), rtol=1e-4, atol=atol,
-                               msg=lambda m: f"{what}: {m}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pretrained_weights_survive_wrapping_and_fine_tune_like_hugging_face(layout, tmp_path):
@@ -55,10 +51,10 @@ def test_pretrained_weights_survive_wrapping_and_fine_tune_like_hugging_face(lay
             for key, value in ref["pretrained"].items():  # exact: the shards are cut from these tensors
                 torch.testing.assert_close(torch.as_tensor(got["wrapped"][key]), value, rtol=0, atol=0,
                                            msg=lambda m, key=key, what=what: f"{what}: {key} after wrapping: {m}")
-            _close(got["logits"], ref["logits"], f"{what}: logits")
-            _close(got["losses"], ref["losses"], f"{what}: losses")
+            close(got["logits"], ref["logits"], f"{what}: logits")
+            close(got["losses"], ref["losses"], f"{what}: losses")
             for key, value in ref["weights"].items():
-                _close(got["weights"][key], value, f"{what}: {key} after {STEPS} steps")
+                close(got["weights"][key], value, f"{what}: {key} after {STEPS} steps")
 
 
 @pytest.mark.slow

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tests.engine.hf_equivalence import fine_tune
+
 VOCAB, SEQ, ROWS = 64, 8, 4
 IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 COMMON = {"vocab_size": VOCAB, "max_position_embeddings": 32, "tie_word_embeddings": False, **IDS}
@@ -72,18 +74,8 @@ def reference(path: str, steps: int, lr: float) -> dict:
     """Single-process Hugging Face fine-tuning from the pretrained weights: the logits of the first batch,
     the loss of each step and the final weights."""
     model = load_pretrained(path)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    with torch.no_grad():
-        logits = model(input_ids=batch(0)).logits
-    losses = []
-    for step in range(steps):
-        loss = model(input_ids=batch(step), labels=batch(step)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"pretrained": load_pretrained(path).state_dict(), "logits": logits, "losses": losses,
-            "weights": model.state_dict()}
+    return {"pretrained": load_pretrained(path).state_dict(),
+            **fine_tune(model, torch.optim.SGD(model.parameters(), lr=lr), batch, steps)}
 
 
 def run_fine_tune(config_: dict, families: list[str], steps: int, lr: float) -> list[dict]:

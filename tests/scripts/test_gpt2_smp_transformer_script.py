@@ -123,3 +123,29 @@ def test_smp_gpt2_transformer_script_runs_unchanged_and_matches_hugging_face(tp,
             np.testing.assert_allclose(rep["weights"][key], want.flatten().numpy(), rtol=1e-4, atol=1e-5,
                                        err_msg=key)
         assert rep["checkpoint_logits_max_diff"] < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,sdp", [(2, 1, 1), (2, 2, 1), (2, 1, 2)])
+def test_fine_tune_path_starts_from_hugging_face_weights_and_saves_hugging_face_names(tp, pp, sdp, tmp_path):
+    """``--fine-tune 1 --save-final-full-model 1``: the run equals single-process Hugging Face fine-tuning from
+    the pretrained weights, and the fullmodel.pt it writes is that fine-tuned model in Hugging Face's names."""
+    import transformers
+
+    script = _script()
+    torch.manual_seed(31)
+    pretrained = transformers.GPT2LMHeadModel(script.model_config("gpt2"))
+    pretrained.save_pretrained(tmp_path / "pretrained")
+    args = ["--tensor-parallel-degree", str(tp), "--pipeline-parallel-degree", str(pp), "--steps", str(STEPS),
+            "--train-batch-size", str(B), "--adam-eps", str(EPS), "--fine-tune", "1", "--model-name",
+            str(tmp_path / "pretrained"), "--model-dir", str(tmp_path), "--save-final-full-model", "1"]
+    if sdp > 1:
+        args += ["--sharded-data-parallel-degree", str(sdp), "--prescaled-batch", "1", "--delayed-param", "1"]
+    reports = run_torchrun(SCRIPT, 2 * pp * sdp, args, timeout_s=400)
+    losses, weights = _reference(script, pretrained.state_dict(), 2, clip=1.0 if sdp > 1 else None)
+    saved = torch.load(tmp_path / "fullmodel.pt")
+    assert set(saved) == set(weights)
+    for key, want in weights.items():
+        torch.testing.assert_close(saved[key], want, rtol=1e-4, atol=1e-5, msg=key)
+    for rep in reports:
+        np.testing.assert_allclose(rep["losses"], [s[rep["dp_rank"]] for s in losses], rtol=1e-4, atol=1e-6)

@@ -31,6 +31,8 @@ class LMReplacement:
     """(config, the marking context's settings) -> constructor arguments (settings override)."""
     translate: Callable[[dict[str, Any], Any], dict[str, Any]]
     """(Hugging Face state dict, config) -> the same weights under SMP's names."""
+    to_hf: Callable[[dict[str, Any], Any], dict[str, Any]]
+    """(SMP state dict, config) -> the same weights under Hugging Face's names (the exact inverse)."""
 
 
 def _gptneox_translate(state_dict: dict[str, Any], config: Any) -> dict[str, Any]:
@@ -38,14 +40,21 @@ def _gptneox_translate(state_dict: dict[str, Any], config: Any) -> dict[str, Any
     return gptneox.translate_hf_state_dict_to_smdistributed_gptneox(state_dict, config.num_attention_heads)
 
 
+def _gptneox_to_hf(state_dict: dict[str, Any], config: Any) -> dict[str, Any]:
+    return gptneox.translate_state_dict_to_hf_gptneox(state_dict, num_attention_heads=config.num_attention_heads)
+
+
 LM_REPLACEMENTS: dict[str, LMReplacement] = {
     "GPT2LMHeadModel": LMReplacement(gpt2.gpt2_arguments,
-                                     lambda sd, _: gpt2.translate_hf_state_dict_to_smdistributed_gpt2(sd)),
+                                     lambda sd, _: gpt2.translate_hf_state_dict_to_smdistributed_gpt2(sd),
+                                     lambda sd, _: gpt2.translate_state_dict_to_hf_gpt2(sd)),
     "GPTNeoForCausalLM": LMReplacement(gptneo.gptneo_arguments,
-                                       lambda sd, _: gptneo.translate_hf_state_dict_to_smdistributed_gptneo(sd)),
-    "GPTNeoXForCausalLM": LMReplacement(gptneox.gptneox_arguments, _gptneox_translate),
+                                       lambda sd, _: gptneo.translate_hf_state_dict_to_smdistributed_gptneo(sd),
+                                       lambda sd, _: gptneo.translate_state_dict_to_hf_gptneo(sd)),
+    "GPTNeoXForCausalLM": LMReplacement(gptneox.gptneox_arguments, _gptneox_translate, _gptneox_to_hf),
     "GPTJForCausalLM": LMReplacement(gptj.gptj_arguments,
-                                     lambda sd, _: gptj.translate_hf_state_dict_to_smdistributed_gptj(sd)),
+                                     lambda sd, _: gptj.translate_hf_state_dict_to_smdistributed_gptj(sd),
+                                     lambda sd, _: gptj.translate_state_dict_to_hf_gptj(sd)),
 }
 """Hugging Face causal-LM class name -> its replacement by ``DistributedTransformerLMHead``."""
 

@@ -12,6 +12,9 @@ weights from a Hugging Face state dict through ``translate_hf_state_dict_to_smdi
 activation checkpointing of every layer's ``.attention`` and ``.output`` (or of ``seq_layers``);
 ``@smp.step`` with ``model.backward``; at the end a full checkpoint in Hugging Face's names through
 ``translate_state_dict_to_hf_<model>``, saved by rank 0 and loaded into a plain Hugging Face model.
+``--fine-tune 1`` follows SMP's fine-tuning path: rank 0 saves ``from_pretrained(--model-name).state_dict()`` as
+``--model-dir``'s ``fullmodel.pt``, every rank resumes from it (``smp.resume_from_checkpoint(..., partial=False)``),
+and ``--save-final-full-model 1`` writes the result back there with ``smp.save_checkpoint(..., partial=False)``.
 Synthetic tokens (no dataset download).
 
 Each rank writes ``$SMP2DS_SCRIPT_OUT/rank<N>.json``: losses, the final weights (HF names) and how
@@ -73,6 +76,11 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=12345)
     parser.add_argument("--init-from", default=None, help="a Hugging Face GPT-2 state dict (torch.save) to start from")
     parser.add_argument("--checkpoint-dir", default=None)
+    # SMP's fine-tuning path: start from a Hugging Face model, save the result in Hugging Face's names
+    parser.add_argument("--fine-tune", type=int, default=0)
+    parser.add_argument("--model-name", default=None, help="the pretrained model (from_pretrained) to fine-tune")
+    parser.add_argument("--model-dir", default=None, help="where fullmodel.pt goes")
+    parser.add_argument("--save-final-full-model", type=int, default=0)
     return parser.parse_args()
 
 
@@ -128,6 +136,12 @@ def main():
         from transformers.modeling_utils import PreTrainedModel
 
         PreTrainedModel.init_weights = lambda x: None
+    if args.fine_tune > 0 and smp.rank() == 0:
+        pretrained_model = AutoModelForCausalLM.from_pretrained(args.model_name)
+        model_state_dict = pretrained_model.state_dict()
+        path = os.path.join(args.model_dir, "fullmodel.pt")
+        torch.save(model_state_dict, path)
+    smp.barrier()
     set_seed(args.seed)
     model_cls, hf_to_smp, smp_to_hf = MODELS[args.model_type]
     with smp.model_creation(tensor_parallelism=smp.tp_size() > 1 or args.use_distributed_transformer > 0,
@@ -162,6 +176,8 @@ def main():
 
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                                               eps=args.adam_eps))
+    if args.fine_tune > 0:
+        smp.resume_from_checkpoint(args.model_dir, tag="fullmodel.pt", partial=False)
     b = args.train_batch_size
     # prescaled_batch: the tensor-parallel group shares one batch, sharded by rdp_rank
     data_rank, data_size = (smp.rdp_rank(), smp.rdp_size()) if args.prescaled_batch else (smp.dp_rank(), smp.dp_size())
@@ -174,6 +190,9 @@ def main():
         losses.append(train_step(model, ids[step, rows], mask[step, rows]).reduce_mean().item())
         optimizer.step()
 
+    if args.save_final_full_model > 0:
+        # saves the model in Hugging Face's names (SMP's translate functions)
+        smp.save_checkpoint(args.model_dir, tag="fullmodel.pt", partial=False, model=model)
     hf_dict = smp_to_hf(model.state_dict())  # collective under tp
     report = {"rank": smp.rank(), "dp_rank": data_rank, "tp": [smp.tp_rank(), smp.tp_size()],
               "pp": [smp.pp_rank(), smp.pp_size()],
