@@ -15,32 +15,22 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.core.safe_load import deepspeed_globals
 from smp2ds.engine.exceptions import SMPCheckpointError
-
-
-def _deepspeed_globals() -> list[Any]:
-    """The plain-data DeepSpeed classes a ZeRO optimizer state dict pickles (its stage enum, loss
-    scaler and ZeRO-1 slice addresses: attributes only, no code runs to rebuild them), allowed by
-    ``weights_only``."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 def load_weights(path: str, mmap: bool = True, deepspeed_state: bool = False) -> Any:
     """``torch.load(path, weights_only=True)``, memory-mapped when the file allows it.
 
     Memory-mapping needs the zip format ``torch.save`` writes since torch 1.6; an older file is
-    read into memory instead. ``deepspeed_state`` also allows :func:`_deepspeed_globals` (an
-    optimizer file of a ZeRO run holds them).
+    read into memory instead. ``deepspeed_state`` also allows ``deepspeed_globals`` (an
+    optimizer file of a ZeRO run holds them; the runtime's list, :mod:`smp2ds.engine.core.safe_load`).
     """
     if not os.path.isfile(path):
         raise SMPCheckpointError(f"{path}: file is missing")
     use_mmap = mmap and zipfile.is_zipfile(path)
     try:
-        with torch.serialization.safe_globals(_deepspeed_globals() if deepspeed_state else []):
+        with torch.serialization.safe_globals(list(deepspeed_globals()) if deepspeed_state else []):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

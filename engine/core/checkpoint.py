@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.core import checkpoint_commit as commit
-from smp2ds.engine.core import checkpoint_verify
+from smp2ds.engine.core import checkpoint_verify, safe_load
 from smp2ds.engine.core import object_collectives as collectives
 from smp2ds.engine.core.pretrained_save import to_hf_names
 from smp2ds.engine.core.ranks import CommGroup
@@ -57,8 +57,9 @@ def _model_file(directory: str) -> str:
     return os.path.join(directory, f"model_{c.pp_rank}_{c.tp_rank}.pt")
 
 
-def _load(path: str) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=False)
+def _load(path: str, user_content: bool = False, trust: bool | None = None) -> Any:
+    """A checkpoint file read without running code from it (:mod:`safe_load`)."""
+    return safe_load.load(path, user_content=user_content, trust=trust)
 
 
 def _layout(optimizer_saved: bool, sharded: bool) -> dict[str, Any]:
@@ -138,7 +139,7 @@ def _save_full(path: str, tag: str, model: Any, optimizer: Any, user_content: An
         atomic_torch_save(user_content, os.path.join(path, f"user_content_{tag}"))
 
 
-def _check_config(directory: str, load_optimizer: bool) -> None:
+def _check_config(directory: str, load_optimizer: bool, trust: bool | None) -> None:
     verify = os.environ.get("SMP_VERIFY_CHECKPOINT_CONFIG", "1").strip()
     if verify not in ("0", "1", ""):
         raise SMPCheckpointError(f"environment variable SMP_VERIFY_CHECKPOINT_CONFIG={verify!r} is not a switch; "
@@ -148,7 +149,7 @@ def _check_config(directory: str, load_optimizer: bool) -> None:
     cfg_path = os.path.join(directory, "smp_config.pt")
     if not os.path.exists(cfg_path):
         return
-    saved, now = _load(cfg_path), state.cfg.get_config_dict()
+    saved, now = _load(cfg_path, trust=trust), state.cfg.get_config_dict()
     diffs = {k: (saved.get(k), now.get(k)) for k in now if k in saved and saved.get(k) != now.get(k)}
     strict = {k: v for k, v in diffs.items() if k in _STRICT_KEYS}
     if strict and load_optimizer:
@@ -164,7 +165,7 @@ _HF_WEIGHTS_NAME = "pytorch_model.bin"
 _HF_SAFE_WEIGHTS = "model.safetensors"
 
 
-def _load_full(path: str, tag: str) -> tuple[dict, bool]:
+def _load_full(path: str, tag: str, trust: bool | None) -> tuple[dict, bool]:
     """The full model state dict ``path/tag``, and whether it came from a Hugging Face safetensors
     checkpoint (whose tied weights are stored once and must be filled in before a strict load).
 
@@ -174,7 +175,7 @@ def _load_full(path: str, tag: str) -> tuple[dict, bool]:
     """
     file = os.path.join(path, tag)
     if os.path.exists(file) and not file.endswith(".safetensors"):
-        return _load(file), False
+        return _load(file, trust=trust), False
     if os.path.exists(file):
         files = [file]
     elif tag == _HF_WEIGHTS_NAME and os.path.exists(os.path.join(path, _HF_SAFE_WEIGHTS)):
@@ -229,11 +230,13 @@ def _apply_optimizer(sd: dict) -> None:
 def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = True, strict: bool = True,
                            load_optimizer: bool = True, load_sharded_optimizer_state: bool = True,
                            translate_function: Callable | None = None,
-                           load_optimizer_states: bool | None = None) -> Any:
+                           load_optimizer_states: bool | None = None, trust_checkpoint: bool | None = None) -> Any:
     """Load a checkpoint written by ``save_checkpoint``; returns its ``user_content`` (or None).
 
     Model and optimizer that do not exist yet receive their state when they are created.
-    ``load_optimizer_states`` is SMP 1.10's name for ``load_optimizer``.
+    ``load_optimizer_states`` is SMP 1.10's name for ``load_optimizer``. Files are read without running code
+    from them (:mod:`safe_load`); ``trust_checkpoint=True`` (an smp2ds addition; default: the
+    ``SMP2DS_TRUST_CHECKPOINTS`` environment switch) reads them with ``weights_only=False``.
     """
     state.require()
     if load_optimizer_states is not None:
@@ -241,10 +244,10 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
     if not partial:
         if tag is None:
             raise SMPCheckpointError("resume_from_checkpoint(partial=False) needs the tag of the full checkpoint")
-        sd, tied = _load_full(path, tag)
+        sd, tied = _load_full(path, tag, trust_checkpoint)
         _apply_model(sd, strict, translate_function, tied)
         content = os.path.join(path, f"user_content_{tag}")
-        return _load(content) if os.path.exists(content) else None
+        return _load(content, True, trust_checkpoint) if os.path.exists(content) else None
     if tag is None:
         marker = os.path.join(path, "newest")
         if not os.path.exists(marker):
@@ -257,10 +260,10 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
     else:
         entry = tag if tag.endswith("_partial") else f"{tag}_partial"
     directory = commit.resolve_dir(path, entry)
-    _check_config(directory, load_optimizer)
+    _check_config(directory, load_optimizer, trust_checkpoint)
     files = checkpoint_verify.files_to_load(directory, _model_file(directory), load_optimizer,
                                             lambda sharded: _optimizer_file(directory, sharded))
-    _apply_model(_load(files["model"]), strict, translate_function)
+    _apply_model(_load(files["model"], trust=trust_checkpoint), strict, translate_function)
     if "optimizer" in files:
-        _apply_optimizer(_load(files["optimizer"]))
-    return _load(files["user_content"]) if "user_content" in files else None
+        _apply_optimizer(_load(files["optimizer"], trust=trust_checkpoint))
+    return _load(files["user_content"], True, trust_checkpoint) if "user_content" in files else None

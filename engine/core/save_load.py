@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from smp2ds.engine.core import safe_load
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import (
     IncompatibleCheckpointFoundError,
@@ -167,14 +168,15 @@ def partial_path(f: str, back_compat: bool = False) -> str:
 def load(f: str, partial: bool = True, back_compat: bool = False, **kwargs: Any) -> Any:
     """``smp.load``: this rank's part of a partial checkpoint, or the full file ``f``.
 
-    Checkpoints may hold arbitrary pickled objects (optimizer and loss-scaler state), as SMP's
-    did, so ``weights_only`` defaults to False; load only checkpoints you trust.
+    The file is read without running code from it (:mod:`safe_load`: tensors, DeepSpeed's optimizer state and the
+    types SMP scripts save); ``weights_only=False`` (or ``SMP2DS_TRUST_CHECKPOINTS=1``) trusts it, as
+    ``torch.load`` does. Other ``kwargs`` go to ``torch.load``.
     """
     state.require()
-    kwargs.setdefault("weights_only", False)
-    kwargs.setdefault("map_location", "cpu")
+    weights_only = kwargs.pop("weights_only", None)
     path = partial_path(f, back_compat) if partial else f
-    obj = torch.load(path, **kwargs)
+    obj = safe_load.load(path, user_content=True, trust=None if weights_only is None else not weights_only,
+                         **kwargs)
     shard = _optimizer_shard(obj) if partial else None
     if shard is not None:
         c, topo = state.groups.coords, state.groups.topology
