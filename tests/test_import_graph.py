@@ -357,6 +357,10 @@ LAYERS: dict[str, set[str]] = {
     # `smp2ds checkpoint` (offline): reads checkpoints with the families' shard rules and shard specs and
     # exports with smp.nn's Hugging Face translators, all in nn
     "checkpoint_tools": {"exceptions", "core", "nn"},
+    # smp.optimizers (apex's optimizers on torch ops) and the scripts' helpers: the model-parallel group and
+    # tensor-parallel shard specs
+    "optimizers": {"exceptions", "core", "nn"},
+    "script_utils": {"exceptions", "core", "nn"},
 }
 TOP = {"smp2ds.engine", "smp2ds.engine.creation"}
 """Modules above every package: the public ``smp.*`` surface, which gathers the parallelism packages."""

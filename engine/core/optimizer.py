@@ -43,6 +43,20 @@ def _cpu_tree(obj: Any) -> Any:
     return obj
 
 
+def _check_whole_tensors(optimizer: torch.optim.Optimizer, backend: Any) -> None:
+    """Refuse an optimizer that takes each parameter's norm (``smp.optimizers.FusedLAMB``/``FusedNovoGrad`` mark
+    themselves ``needs_whole_tensors``) where DeepSpeed hands it flat partitions of many parameters (ZeRO, bf16)."""
+    if not getattr(optimizer, "needs_whole_tensors", False):
+        return
+    stage, precision = backend.zero_stage, backend.precision
+    if stage > 0 or precision == "bf16":
+        why = f"ZeRO stage {stage}" if stage > 0 else "bf16"
+        raise SMPUnsupportedError(
+            f"smp.optimizers.{type(optimizer).__name__} takes each parameter's norm, but with {why} DeepSpeed gives "
+            "the optimizer flat partitions of many parameters; use it without shard_optimizer_state, sharded data "
+            "parallelism and bf16 (fp32 or fp16), or use FusedAdam")
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """``DistributedOptimizer(optimizer, static_loss_scale=1.0, dynamic_loss_scale=False, dynamic_loss_args=None)``.
 
@@ -78,6 +92,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{foreign} optimizer parameter(s) do not belong to the DistributedModel; "
                 "create the optimizer from model.parameters() after wrapping"
             )
+        _check_whole_tensors(optimizer, model.backend)
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         for name in _HOOK_DICTS:
