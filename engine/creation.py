@@ -23,6 +23,7 @@ from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import (
     DistributedModelWrappedError,
     InvalidPartitionIDError,
+    SMPUnsupportedError,
     StepFunctionCalledError,
 )
 from smp2ds.engine.nn.parallel import marks
@@ -96,15 +97,20 @@ def tp_register_with_module(module_cls: type, dist_module: type, init_hook: Call
 
 @contextlib.contextmanager
 def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
-    """Create parameters already sharded over the MiCS shard group (sharded data parallelism);
-    without sharded data parallelism parameters are small enough to create normally."""
+    """Create parameters already sharded over the MiCS shard group (sharded data parallelism), or on the meta
+    device for a model SMP's distributed transformer replaces; otherwise parameters are created normally."""
     with _sharded_creation(enabled):
         yield
 
 
 @contextlib.contextmanager
 def _sharded_creation(enabled: bool) -> Iterator[None]:
-    """Parameters created inside are born partitioned over the shard group (only under sdp)."""
+    """Parameters created inside are born partitioned over the shard group (under sdp), or, for a model SMP's
+    distributed transformer will replace, on the ``meta`` device (:func:`_meta_creation`)."""
+    if enabled and state.initialized and state.mics_groups is None and _replaced_later():
+        with _meta_creation():
+            yield
+        return
     if not (enabled and state.initialized and state.mics_groups is not None):
         yield
         return
@@ -113,6 +119,32 @@ def _sharded_creation(enabled: bool) -> Iterator[None]:
     ds = engine_config(state.plan.deepspeed, microbatches=int(state.cfg.microbatches))
     with mics.mics_init_context(ds, state.mics_groups):
         yield
+
+
+def _replaced_later() -> bool:
+    """Modules created now are marked for tensor parallelism with SMP's distributed-transformer settings: a
+    Hugging Face model built here is replaced by ``smp.nn.DistributedTransformerLMHead`` when wrapped."""
+    mark = marks.active()
+    return bool(mark is not None and mark.enabled and mark.kwargs)
+
+
+@contextlib.contextmanager
+def _meta_creation() -> Iterator[None]:
+    """SMP's delayed parameter initialisation for a model its distributed transformer replaces: the Hugging Face
+    model is built on the ``meta`` device (no memory), and the replacement materialises only this rank's shards
+    (:mod:`smp2ds.engine.tensor_parallel.transformer_replacement`)."""
+    try:
+        with torch.device("meta"):
+            yield
+    except RuntimeError as err:
+        if "from_pretrained" not in str(err):
+            raise
+        raise SMPUnsupportedError(
+            "from_pretrained inside delay_param_initialization with SMP's distributed transformer settings: the "
+            "model is built on the meta device and holds no weights, so there is nothing to load them into; build "
+            "it with from_config and load the pretrained state dict after smp.DistributedModel (SMP's fine-tune "
+            "path: smp.resume_from_checkpoint(dir, tag='fullmodel.pt', partial=False)), or turn "
+            "delayed_parameter_initialization off") from None
 
 
 @contextlib.contextmanager
@@ -126,20 +158,21 @@ def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None =
       shard group (``p.ds_tensor`` exists right away). ``None`` follows
       ``delayed_parameter_initialization``; ``False`` creates them whole (DeepSpeed partitions them
       when ``smp.DistributedOptimizer`` builds the engine). Without sdp there is nothing to
-      partition over and it has no effect, as in SMP;
+      partition over and it has no effect, as in SMP; ``delayed_parameter_initialization`` then builds a model
+      SMP's distributed transformer replaces on the meta device (:func:`_meta_creation`);
     * ``dtype``: the default dtype while creating (restored afterwards). Partitioned creation makes
       parameters in the training precision (DeepSpeed's rule), so there a different dtype is refused.
     """
     creation_args.check(tensor_parallelism, dtype, zero_init, tensor_parallel_config)
-    partition = _partition_at_creation(zero_init)
-    if partition and dtype is not None:
+    delayed = _delayed_at_creation(zero_init)
+    if delayed and state.mics_groups is not None and dtype is not None:
         creation_args.check_partitioned_dtype(dtype, state.plan.deepspeed)
     previous = torch.get_default_dtype()
     if dtype is not None:
         torch.set_default_dtype(dtype)
     try:
         marking = tensor_parallelism_marking(bool(tensor_parallelism), tensor_parallel_config)
-        with marking, _sharded_creation(partition):
+        with marking, _sharded_creation(delayed):
             yield
     finally:
         torch.set_default_dtype(previous)
@@ -150,10 +183,12 @@ def tensor_parallelism_marking(enabled: bool, config: dict[str, Any]) -> context
     return tensor_parallelism(enabled, **config)
 
 
-def _partition_at_creation(zero_init: bool | None) -> bool:
-    if not (state.initialized and state.mics_groups is not None):
+def _delayed_at_creation(zero_init: bool | None) -> bool:
+    """Whether ``model_creation`` delays parameter initialisation: ``delayed_parameter_initialization``, or under
+    sharded data parallelism ``zero_init`` when given."""
+    if not state.initialized:
         return False
-    if zero_init is None:
+    if zero_init is None or state.mics_groups is None:
         return bool(state.cfg.delayed_parameter_initialization)
     return bool(zero_init)
 

@@ -44,7 +44,8 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "delayed_parameter_initialization": (
         "tests/engine/test_mics_smp_api.py::test_smp_script_with_delayed_sharded_parameters_matches_single_process",
         "tests/scripts/test_model_creation_scripts.py::test_gpt2_sdp_script_with_delayed_init_and_adamw_matches_single_process",
-        "tests/engine/test_tp_sdp_dist.py::test_tp2_sdp2_delayed_init_trains_like_single_process_and_holds_a_quarter"),
+        "tests/engine/test_tp_sdp_dist.py::test_tp2_sdp2_delayed_init_trains_like_single_process_and_holds_a_quarter",
+        "tests/engine/test_finetune_from_hf_dist.py::test_delayed_initialisation_builds_on_meta_and_equals_the_eager_build"),
     "fp16": ("tests/engine/test_train_dist.py::test_fp16_overflow_skips_the_step_and_lowers_the_scale",),
     "fp16_params": ("tests/engine/test_key_effects_dist.py::test_deprecated_fp16_params_and_v2_hybrid_shard_degree_reach_the_engine",),
     "bf16": ("tests/engine/test_key_effects_dist.py::test_mapped_keys_reach_the_running_deepspeed_engine",
@@ -70,7 +71,8 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "tensor_parallel_seed": (
         "tests/engine/test_tensor_parallel_dist.py::test_tp2_trains_hugging_face_families_and_an_smp_mlp_like_single_process",),
     "prescaled_batch": ("tests/engine/test_tensor_parallel_dist.py::test_tp2_rdp2_and_tp4_on_four_ranks_match_single_process",
-                        "tests/engine/test_tp_sdp_dist.py::test_tp2_sdp2_delayed_init_trains_like_single_process_and_holds_a_quarter"),
+                        "tests/engine/test_tp_sdp_dist.py::test_tp2_sdp2_delayed_init_trains_like_single_process_and_holds_a_quarter",
+        "tests/engine/test_finetune_from_hf_dist.py::test_delayed_initialisation_builds_on_meta_and_equals_the_eager_build"),
     "hybrid_shard_degree": ("tests/engine/test_key_effects_dist.py::test_deprecated_fp16_params_and_v2_hybrid_shard_degree_reach_the_engine",),
 }
 """key -> tests (``path`` or ``path::function``) that show its effect at run time."""

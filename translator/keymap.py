@@ -225,8 +225,9 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
     "delayed_parameter_initialization": (
         _r("engine", "/engine/delayed_parameter_initialization",
            "smp.model_creation / delay_param_initialization: with sharded data parallelism parameters are "
-           "created "
-           "already sharded (deepspeed.zero.Init in the shard group)"),
+           "created already sharded (deepspeed.zero.Init in the shard group); without it, a model SMP's "
+           "distributed transformer replaces is built on the meta device and each rank materialises only "
+           "its shards"),
     ),
     "prescaled_batch": (
         _r("engine", "/engine/tensor_parallel/prescaled_batch",

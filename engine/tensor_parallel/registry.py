@@ -119,7 +119,7 @@ def sync_replicas(module: torch.nn.Module, tp: TPGroup) -> None:
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             for tensor in (t.ds_tensor, t.data) if hasattr(t, "ds_tensor") else (t.data,):
-                if tensor.numel():
+                if tensor.numel() and not tensor.is_meta:  # meta: nothing held yet (delayed initialisation)
                     comm.broadcast(tensor, tp.src, group=tp.handle)
 
 

@@ -35,7 +35,7 @@ from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import encoder_names
 from smp2ds.engine.nn.huggingface.families import ENCODER_ARGUMENTS, LM_REPLACEMENTS
-from smp2ds.engine.nn.huggingface.fresh import with_fresh_weights
+from smp2ds.engine.nn.huggingface.fresh import fresh_value, generator, layer_norm_weights, with_fresh_weights
 from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.nn.parallel.group import TPGroup, current
 from smp2ds.engine.nn.parallel.shards import local_part
@@ -118,20 +118,102 @@ def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
     (same weights, fresh ones where Hugging Face's init was skipped; head tied as the config says)."""
     tp = current()
     settings = dict(marks.mark_of(hf).kwargs)
-    # weights Hugging Face never initialised (its init skipped by the script) are drawn afresh
-    weights, _ = with_fresh_weights(hf, hf.state_dict(), hf.config.initializer_range)
     family = LM_REPLACEMENTS[type(hf).__name__]
-    new = DistributedTransformerLMHead(**family.arguments(hf.config, settings))
-    translated = family.translate(weights, hf.config)
     weight = next(hf.parameters())
-    new.to(device=weight.device, dtype=weight.dtype)
-    load_full(new, head_as_built(new, translated), tp)
+    if weight.is_meta:  # built under delayed initialisation: shard by shard, never the whole model
+        with torch.device("meta"):  # shapes only: only this rank's shards are ever allocated
+            new = DistributedTransformerLMHead(**family.arguments(hf.config, settings))
+        allocate(new, weight.dtype)
+        stream_fresh_weights(hf, new, family, tp)
+    else:
+        new = DistributedTransformerLMHead(**family.arguments(hf.config, settings))
+        # weights Hugging Face never initialised (its init skipped by the script) are drawn afresh
+        weights, _ = with_fresh_weights(hf, hf.state_dict(), hf.config.initializer_range)
+        new.to(device=weight.device, dtype=weight.dtype)
+        load_full(new, head_as_built(new, family.translate(weights, hf.config)), tp)
     new.train(hf.training)
     object.__setattr__(new, "config", hf.config)
     object.__setattr__(new, "_smp2ds_forward_hook", hf_call_to_smp)
     object.__setattr__(new, "_smp2ds_return_hook", smp_output_to_hf)
     object.__setattr__(new, "_smp2ds_replaced", type(hf).__name__)
     return new
+
+
+def allocate(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give ``module``'s meta parameters uninitialised CPU storage in ``dtype``, keeping what rides on each
+    parameter (its shard spec and tensor-parallel marks: moving off the meta device makes new parameters)."""
+    riders = {name: dict(p.__dict__) for name, p in module.named_parameters()}
+    module.to_empty(device="cpu").to(dtype=dtype)
+    for name, p in module.named_parameters():
+        p.__dict__.update(riders[name])
+
+
+def stream_fresh_weights(hf: torch.nn.Module, new: torch.nn.Module, family: Any, tp: TPGroup) -> None:
+    """Give ``new`` (allocated, every value to be written) the fresh weights of ``hf``, a Hugging Face model on the
+    meta device (delayed parameter initialisation), one tensor at a time: each full tensor is drawn exactly as
+    :func:`with_fresh_weights` draws it (same stream, same order), translated to SMP's names, cut to this rank's
+    shard and dropped, so a rank holds its shards and one full tensor at most (none for the tensors it keeps
+    whole, which are drawn in place). Every parameter of ``new`` must be written, or the replacement is refused."""
+    own = new.state_dict(keep_vars=True)
+    range_, norms = hf.config.initializer_range, layer_norm_weights(hf)
+    gen = generator()
+    filled: set[str] = set()
+    embedding: torch.Tensor | None = None
+    params = {name for name, _ in hf.named_parameters(remove_duplicate=False)}
+    # buffers are skipped: the translators drop them, and with_fresh_weights draws none for them
+    entries = [(key, like) for key, like in hf.state_dict(keep_vars=True).items() if key in params]
+    with torch.no_grad():
+        for index, (key, like) in enumerate(entries):
+            renamed = family.translate({key: like}, hf.config)  # on meta: names and layout only
+            if set(renamed) == {"lm_head.weight"} and new.lm_head is None and index == len(entries) - 1:
+                break  # a tied head, drawn last: its draw would feed nothing (a full vocabulary-sized tensor)
+            if _draw_in_place(renamed, like, own, new):
+                (name, _), = renamed.items()
+                if own[name].dtype == torch.float32 and own[name].is_contiguous():
+                    _fresh_into(own[name], key, range_, gen, key in norms)
+                else:
+                    own[name].copy_(fresh_value(key, like, range_, gen, key in norms))
+                filled.add(name)
+                continue
+            value = fresh_value(key, like, range_, gen, key in norms)
+            for name, full in family.translate({key: value}, hf.config).items():
+                if name == "lm_head.weight" and new.lm_head is None:
+                    continue  # a tied head is the word embedding
+                if name == "word_embedding.weight" and new.lm_head is not None:
+                    embedding = full  # an untied head the translator dropped starts as a copy of it
+                own[name].copy_(local_part(own[name], full, tp))
+                filled.add(name)
+    if new.lm_head is not None and "lm_head.weight" not in filled:
+        source = embedding if embedding is not None else own["word_embedding.weight"]  # drawn whole in place
+        own["lm_head.weight"].copy_(local_part(own["lm_head.weight"], source, tp))
+        filled.add("lm_head.weight")
+    missing = sorted(set(own) - filled - {k for k, v in own.items() if not isinstance(v, torch.nn.Parameter)})
+    if missing:
+        raise SMPUnsupportedError(f"{type(hf).__name__} built on the meta device: no fresh weights for "
+                                  f"{', '.join(missing)}; turn delayed_parameter_initialization off for this model")
+
+
+def _draw_in_place(renamed: dict[str, Any], like: torch.Tensor, own: dict[str, Any], new: torch.nn.Module) -> bool:
+    """Whether the fresh value of a Hugging Face tensor can be drawn straight into its replacement: it is renamed,
+    not reshaped (the translator returned the same tensor), and kept whole on this rank (the embeddings and an
+    untied head: the largest tensors, so no second full copy is ever made)."""
+    if len(renamed) != 1:
+        return False
+    (name, value), = renamed.items()
+    if value is not like or name not in own or (name == "lm_head.weight" and new.lm_head is None):
+        return False
+    return tuple(own[name].shape) == tuple(like.shape)
+
+
+def _fresh_into(target: torch.Tensor, key: str, initializer_range: float, gen: torch.Generator,
+                layer_norm: bool) -> None:
+    """:func:`fresh_value`'s numbers written into the fp32 ``target`` in place (the same draws from ``gen``)."""
+    if layer_norm:
+        target.fill_(1.0)
+    elif key.rsplit(".", 1)[-1] == "bias":
+        target.zero_()
+    else:
+        target.normal_(0.0, initializer_range, generator=gen)
 
 
 def head_as_built(new: torch.nn.Module, translated: dict[str, Any]) -> dict[str, Any]:

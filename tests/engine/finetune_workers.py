@@ -144,3 +144,30 @@ def run_fine_tune(smp_config: dict, cases: list[dict], steps: int) -> list[dict]
         results.append(out)
         smp.barrier()
     return plain(results)
+
+
+def run_delayed_creation(smp_config: dict, families: list[str], delayed: bool) -> list[dict]:
+    """Per family, built as SMP's scripts build it (Hugging Face's init skipped, ``model_creation`` with the
+    transformer settings, ``delayed_parameter_initialization`` from the config): whether the Hugging Face model
+    was built on the meta device, the bytes of this rank's parameters after wrapping, and the gathered state."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    import smdistributed.modelparallel.torch as smp
+    from tests.engine.train_workers import plain
+
+    smp.init({**smp_config, "delayed_parameter_initialization": delayed})
+    original_init = PreTrainedModel.init_weights
+    results = []
+    for family in families:
+        smp.reset()
+        PreTrainedModel.init_weights = lambda self: None
+        try:
+            with smp.model_creation(tensor_parallelism=True, dtype=torch.float32, **SETTINGS):
+                net = auto_class(family).from_config(config(family, True), attn_implementation="eager")
+        finally:
+            PreTrainedModel.init_weights = original_init
+        meta = all(p.is_meta for p in net.parameters())
+        model = smp.DistributedModel(net)
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        results.append({"meta": meta, "held_bytes": held, "state": {k: v.clone() for k, v in model.state_dict().items()}})
+    return plain(results)

@@ -10,7 +10,8 @@ the scripts' transformer settings (replaced by ``DistributedTransformerLMHead``,
 * the ``save_pretrained`` directory loads with ``from_pretrained`` and gives the distributed model's logits.
 
 Families: GPT-2, GPT-NeoX, GPT-J, GPT-Neo and BERT, tied and untied heads; layouts tp 1 (dp 2), tp 2, tp 4,
-tp 2 x pp 2 and tp 2 x sdp 2 with delayed and eager initialisation.
+tp 2 x pp 2 and tp 2 x sdp 2 with delayed (without sdp: the Hugging Face model built on the meta device) and eager
+initialisation.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ LAYOUTS = {
     "tp2": (2, {"ddp": True, "tensor_parallel_degree": 2}, [
         {"family": "gpt2", "tie": False, "lr": 0.01}, {"family": "gpt_neox", "tie": True, "lr": 0.0},
         {"family": "gptj", "tie": False, "lr": 0.01}, {"family": "gpt_neo", "tie": True, "lr": 0.0},
-        {"family": "bert", "tie": True, "lr": 0.0}, {"family": "bert", "tie": False, "lr": 0.01}]),
+        {"family": "bert", "tie": True, "lr": 0.0}, {"family": "bert", "tie": False, "lr": 0.01},
+        {"family": "gpt2", "tie": False, "lr": 0.01, "delayed": True}]),
     "tp4": (4, {"ddp": True, "tensor_parallel_degree": 4}, [{"family": "gpt2", "tie": True, "lr": 0.01}]),
     "tp2-pp2": (4, {"ddp": True, "tensor_parallel_degree": 2, "pipeline_parallel_degree": 2, "microbatches": 2}, [
-        {"family": "gpt2", "tie": True, "lr": 0.0}, {"family": "gpt_neox", "tie": False, "lr": 0.01}]),
+        {"family": "gpt2", "tie": True, "lr": 0.0}, {"family": "gpt_neox", "tie": False, "lr": 0.01, "delayed": True}]),
     # the tensor-parallel pair shares its batch (prescaled_batch, SMP's rule with sdp); no clipping: the
     # reference does not clip
     "tp2-sdp2": (4, {"ddp": True, "tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2,
@@ -69,3 +71,22 @@ def test_fine_tuning_from_hugging_face_weights_round_trips_and_equals_hugging_fa
                     else:
                         close(got[source][key], value, f"{what}: {source} {key}")
             close(got["saved_pretrained_logits"], got["logits"], f"{what}: logits of the saved directory")
+
+
+@pytest.mark.slow
+def test_delayed_initialisation_builds_on_meta_and_equals_the_eager_build():
+    """delayed_parameter_initialization without sharded data parallelism: the Hugging Face model SMP's
+    distributed transformer replaces is built on the meta device, each rank materialises only its shards, and
+    the result is bit-identical to the eager build (the same fresh weights: Hugging Face's init skipped)."""
+    families, config = ["gpt2", "gpt_neox"], {"ddp": True, "tensor_parallel_degree": 2}
+    eager = run_ranks(fw.run_delayed_creation, 2, config, families, False)
+    delayed = run_ranks(fw.run_delayed_creation, 2, config, families, True)
+    for rank in range(2):
+        for i, family in enumerate(families):
+            got, want = delayed[rank][i], eager[rank][i]
+            assert got["meta"] and not want["meta"], family
+            assert got["held_bytes"] == want["held_bytes"], family
+            assert set(got["state"]) == set(want["state"])
+            for key, value in want["state"].items():
+                torch.testing.assert_close(torch.as_tensor(got["state"][key]), torch.as_tensor(value), rtol=0,
+                                           atol=0, msg=lambda m, key=key, f=family: f"{f} {key}: {m}")

@@ -67,21 +67,23 @@ def generator() -> torch.Generator:
     return gen
 
 
-def _layer_norm_weights(model: torch.nn.Module) -> set[str]:
+def layer_norm_weights(model: torch.nn.Module) -> set[str]:
+    """State-dict names of ``model``'s layer-norm weights (fresh ones are ones)."""
     return {f"{prefix}.weight" if prefix else "weight" for prefix, m in model.named_modules(remove_duplicate=False)
             if isinstance(m, torch.nn.LayerNorm) or type(m).__name__.endswith(("LayerNorm", "RMSNorm"))}
 
 
 def fresh_value(key: str, like: torch.Tensor, initializer_range: float, gen: torch.Generator,
                 layer_norm: bool) -> torch.Tensor:
-    """A fresh full tensor for parameter ``key`` shaped and typed like ``like``."""
+    """A fresh full tensor for parameter ``key`` shaped and typed like ``like`` (on the CPU when ``like`` is on the
+    meta device)."""
     if layer_norm:
         value = torch.ones(like.shape)
     elif key.rsplit(".", 1)[-1] == "bias":
         value = torch.zeros(like.shape)
     else:  # drawn in fp32 on the CPU: the same numbers whatever the model's dtype and device
         value = torch.empty(like.shape).normal_(0.0, initializer_range, generator=gen)
-    return value.to(device=like.device, dtype=like.dtype)
+    return value.to(device=None if like.is_meta else like.device, dtype=like.dtype)
 
 
 def with_fresh_weights(model: torch.nn.Module, state_dict: Mapping[str, Any],
@@ -93,7 +95,7 @@ def with_fresh_weights(model: torch.nn.Module, state_dict: Mapping[str, Any],
     skipped = [k for k in state_dict if not flags.get(k, True)]  # buffers are kept as they are
     if not skipped:
         return dict(state_dict), []
-    gen, norms = generator(), _layer_norm_weights(model)
+    gen, norms = generator(), layer_norm_weights(model)
     out = dict(state_dict)
     for key in skipped:
         out[key] = fresh_value(key, state_dict[key], initializer_range, gen, key in norms)

@@ -61,6 +61,11 @@ def mark_of(module: torch.nn.Module) -> Mark | None:
     return getattr(module, MARK, None)
 
 
+def active() -> Mark | None:
+    """The mark modules created now receive (the innermost ``tensor_parallelism`` context), or None."""
+    return _STACK[-1] if _STACK else None
+
+
 def keep_whole(module: torch.nn.Module) -> None:
     """Mark ``module`` alone (not its children) as not tensor-parallel: the sharding pass leaves it as it is."""
     object.__setattr__(module, MARK, Mark(False))
