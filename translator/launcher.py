@@ -50,6 +50,12 @@ def hostfile_text(hosts: Sequence[str], slots: int) -> str:
     return "".join(f"{h} slots={slots}\n" for h in hosts)
 
 
+def shell_name(name: str) -> bool:
+    """Whether a shell can ``export`` ``name`` (a hyperparameter named ``checkpoint-dir`` becomes
+    ``SM_HP_CHECKPOINT-DIR``, which SageMaker sets through the process environment but no shell can)."""
+    return bool(name) and (name[0].isalpha() or name[0] == "_") and all(c.isalnum() or c == "_" for c in name)
+
+
 def deepspeed_env_text(env: Mapping[str, str]) -> str:
     """A ``.deepspeed_env`` file carrying ``env`` to every node of a multi-node deepspeed launch.
 
@@ -57,10 +63,13 @@ def deepspeed_env_text(env: Mapping[str, str]) -> str:
     runs ``export NAME=value`` on each node, wrapping a value in double quotes when it holds
     anything beyond ``[\\w@%+=:,./-]``. JSON values (``SM_HPS``, ``SM_HP_MP_PARAMETERS``) contain
     double quotes, so the characters a double-quoted shell word treats specially (backslash,
-    double quote, ``$`` and backquote) are escaped here; the shell removes the escapes again.
+    double quote, ``$`` and backquote) are escaped here; the shell removes the escapes again. Names a
+    shell cannot export (:func:`shell_name`) are left out: DeepSpeed's ``export`` of one would stop the node.
     """
     lines = []
     for name, value in env.items():
+        if not shell_name(name):
+            continue  # the remote `export` would abort the node's shell; the script passes it through env
         if "\n" in str(value):  # the file is read line by line: a newline would cut the value
             raise ValueError(f"{name}: a value with a newline cannot travel in .deepspeed_env")
         escaped = "".join("\\" + c if c in '\\"$`' else c for c in str(value))

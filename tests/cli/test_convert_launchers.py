@@ -39,7 +39,8 @@ def estimator(tmp_path: Path, script: str, **params: object) -> str:
         "entry_point": script,
         "instance_type": "ml.g5.12xlarge",
         "instance_count": 1,
-        "hyperparameters": {"out": str(tmp_path)},
+        # a hyphenated name: SM_HP_CHECKPOINT-DIR, which no shell can export
+        "hyperparameters": {"out": str(tmp_path), "checkpoint-dir": str(tmp_path / "ckpt")},
         "distribution": {
             "mpi": {"enabled": True, "processes_per_host": 2},
             "smdistributed": {
@@ -140,9 +141,12 @@ RANK_SCRIPT = """
 import argparse, json, os
 parser = argparse.ArgumentParser()
 parser.add_argument("--out")
+parser.add_argument("--checkpoint-dir")
 args = parser.parse_args()
 rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
-seen = {k: os.environ.get(k) for k in ("SM_HP_MP_PARAMETERS", "SM_HOSTS", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")}
+seen = {k: os.environ.get(k) for k in ("SM_HP_MP_PARAMETERS", "SM_HOSTS", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE",
+                                       "SM_HP_CHECKPOINT-DIR")}
+seen["checkpoint_dir_arg"] = args.checkpoint_dir
 with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as handle:
     json.dump(seen, handle)
 """
@@ -166,6 +170,7 @@ def test_printed_single_node_launch_runs_two_ranks(target, tmp_path, capsys):
         assert json.loads(seen["SM_HP_MP_PARAMETERS"])["microbatches"] == 2
         assert json.loads(seen["SM_HOSTS"]) == ["algo-1"]
         assert (seen["WORLD_SIZE"] or seen["OMPI_COMM_WORLD_SIZE"]) == "2"
+        assert seen["SM_HP_CHECKPOINT-DIR"] == seen["checkpoint_dir_arg"] == str(tmp_path / "ckpt")
 
 
 # ---------------------------------------------------------------------------------------------

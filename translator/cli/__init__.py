@@ -182,6 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, script = _split_launch_argv(argv)
     parser = build_parser(only=_chosen_command(own))
+    typo = _underscore_flag(parser, own)
+    if typo is not None:
+        _write(sys.stderr, typo)
+        return EXIT_USAGE
     try:
         args = parser.parse_args(own)
     except SystemExit as stop:  # argparse: --help (0) or a usage error (2)
@@ -189,6 +193,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "launch":
         args.script_argv = script or []
     return run_guarded(args.handler, args)
+
+
+def _underscore_flag(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    """A message for a flag spelled with underscores where the command's flag has hyphens (``--world_size``),
+    which argparse would answer with the top-level usage and no hint; None when there is none."""
+    command = _chosen_command(argv)
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    sub = actions[0].choices.get(command) if actions and command else None
+    if sub is None:
+        return None
+    known = set(sub._option_string_actions)
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--") and "_" in flag and flag not in known and flag.replace("_", "-") in known:
+            return (f"smp2ds {command}: error: unknown flag {flag}; did you mean {flag.replace('_', '-')}? "
+                    "(smp2ds's flags are spelled with hyphens)\n")
+    return None
 
 
 def run_guarded(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

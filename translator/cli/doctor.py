@@ -35,9 +35,9 @@ def doctor_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
                         help="SMP parameters or estimator spec (JSON) to check against this machine")
     parser.add_argument("--world-size", type=positive_int, metavar="N",
                         help="processes of the job (default: $WORLD_SIZE, else what the visible devices hold)")
-    parser.add_argument("--nodes", type=positive_int, metavar="N",
-                        help="nodes the job runs on, each like this one (default: the estimator's instance_count, "
-                        "else 1)")
+    parser.add_argument("--nnodes", "--nodes", dest="nodes", type=positive_int, metavar="N",
+                        help="nodes the job runs on, each like this one (as launch --nnodes; --nodes is the older "
+                        "spelling; default: the estimator's instance_count, else 1)")
     add_format_arg(parser)
     parser.set_defaults(handler=doctor_command)
     return parser

@@ -69,7 +69,8 @@ def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         help="processes on this node (default: mpi.processes_per_host, else GPU count, else 1)",
     )
     parser.add_argument(
-        "--nnodes", type=positive_int, default=1, metavar="M", help="number of nodes (default 1)"
+        "--nnodes", type=positive_int, metavar="M",
+        help="number of nodes (default 1; an estimator with instance_count > 1 needs it said)"
     )
     parser.add_argument("--node-rank", type=int, default=0, metavar="R", help="rank of this node, 0..M-1")
     parser.add_argument("--master-addr", metavar="A", help="address of node 0 (required when --nnodes > 1)")
@@ -170,10 +171,13 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
 
     from .machine import detect_gpus, free_port, launcher_program
 
-    script = list(getattr(args, "script_argv", []) or [])
+    doc = _document(args)
+    args.nnodes = _nodes(args, doc)
+    script = list(getattr(args, "script_argv", []) or []) or _entry_point(doc)
     if not script:
         raise UsageError(
             "nothing to run: put the training script after `--`, e.g. `smp2ds launch -- train.py --lr 1e-3`"
+            + ("" if args.estimator is None else f" ({args.estimator} names no entry_point)")
         )
     if script == ["-m"]:
         raise UsageError("`-m` needs a module name after it")
@@ -191,7 +195,7 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
     channels = _parse_channels(args.channel)
 
     gpus = detect_gpus()
-    config, planned, nproc = _plan(args, gpus)
+    config, planned, nproc = _plan(args, doc, gpus)
     if config is not None:
         script = with_hyperparameters(script, config.hyperparameters)
 
@@ -236,18 +240,49 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
     return LaunchSpec(command=command, env=env, notices=notices, hostfile=hostfile, dirs=dirs)
 
 
-def _plan(args: argparse.Namespace, gpus: int) -> tuple[Any, dict[str, Any] | None, int]:
-    """The config (checked against the world this launch runs), the plan's launcher env and the
-    processes per node; (None, None, nproc) without ``--estimator`` / ``--config``."""
+def _document(args: argparse.Namespace) -> Any:
+    """The ``--estimator`` / ``--config`` document, or None."""
     path = args.estimator or args.config
     if path is None:
-        return None, None, args.nproc_per_node or gpus or 1
+        return None
     from smp2ds.translator.load import load_document
+
+    return load_document(path)
+
+
+def _nodes(args: argparse.Namespace, doc: Any) -> int:
+    """``--nnodes``; when not given, 1, unless the estimator runs on several instances: then the launch on
+    each node must say which node it is."""
+    if args.nnodes is not None:
+        return int(args.nnodes)
+    count = doc.get("instance_count") if isinstance(doc, dict) and args.estimator else None
+    if isinstance(count, int) and not isinstance(count, bool) and count > 1:
+        raise UsageError(
+            f"{args.estimator} runs on instance_count {count} instances: start smp2ds launch once on each of your "
+            f"{count} nodes with --nnodes {count} --node-rank R (R = 0..{count - 1}, 0 on the first node) "
+            "--master-addr ADDRESS (the first node's address, the same on every node); or pass --nnodes 1 to run "
+            "it on this node alone (the configuration is then checked for one node)")
+    return 1
+
+
+def _entry_point(doc: Any) -> list[str]:
+    """The estimator's ``entry_point`` (under its ``source_dir``) as the script to run, or nothing."""
+    entry = doc.get("entry_point") if isinstance(doc, dict) else None
+    if not isinstance(entry, str) or not entry:
+        return []
+    source = doc.get("source_dir")
+    return [os.path.join(source, entry) if isinstance(source, str) and source else entry]
+
+
+def _plan(args: argparse.Namespace, doc: Any, gpus: int) -> tuple[Any, dict[str, Any] | None, int]:
+    """The config (checked against the world this launch runs), the plan's launcher env and the
+    processes per node; (None, None, nproc) without ``--estimator`` / ``--config``."""
+    if doc is None:
+        return None, None, args.nproc_per_node or gpus or 1
     from smp2ds.translator.normalize import normalize
     from smp2ds.translator.plan_types import Layout
     from smp2ds.translator.planner import plan
 
-    doc = load_document(path)
     nproc = args.nproc_per_node or _int(normalize(doc).mpi.get("processes_per_host")) or gpus or 1
     layout = Layout(world_size=nproc * args.nnodes, gpus_per_node=nproc)
     config = normalize(doc, layout)

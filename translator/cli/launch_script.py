@@ -13,6 +13,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from smp2ds.translator.launcher import shell_name
+
 LAUNCH_TARGETS: dict[str, str] = {
     "torchrun": "torchrun",
     "deepspeed-launcher": "deepspeed",
@@ -75,12 +77,18 @@ def render_launch_script(spec: Mapping[str, Any], instance: str | None = None) -
         lines.append(f"cat > {name} <<'SMP2DS_EOF'")
         lines.extend(text.splitlines())
         lines.append("SMP2DS_EOF")
+    passed: list[str] = []  # names a shell cannot export (SM_HP_CHECKPOINT-DIR): given to the command by env
     for name, value in spec["env"].items():
         if name == "SM_CURRENT_HOST" and spec["launcher"] == "torchrun" and spec["nodes"] > 1:
             lines.append('export SM_CURRENT_HOST="algo-$((NODE_RANK + 1))"')  # this node's SageMaker name
-        else:
+        elif shell_name(name):
             lines.append(f"export {name}={shlex.quote(str(value))}")
-    lines.append(shell_command(spec["command"]))
+        else:
+            passed.append(shlex.quote(f"{name}={value}"))
+    if passed and spec["launcher"] == "deepspeed" and spec["nodes"] > 1:
+        lines.append("# the env-passed names below reach this node only: DeepSpeed cannot export them to the others")
+    prefix = f"env {' '.join(passed)} " if passed else ""
+    lines.append(prefix + shell_command(spec["command"]))
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,8 @@
 """``smp2ds validate FILE``: report every problem of an SMP configuration at once.
 
 Exit 0 when valid, 1 with the full list of issues otherwise. The verdict goes to stdout (it is
-this command's output); ``--world-size`` adds the world-size arithmetic to the checks.
+this command's output); ``--world-size`` adds the world-size arithmetic to the checks. Without a world size (a
+bare parameter dict) everything else is checked, and the verdict says what was not.
 """
 
 from __future__ import annotations
@@ -67,15 +68,40 @@ def validate_command(args: argparse.Namespace) -> int:
 
 
 def _refusals(doc: Any, layout: Any) -> list[Any]:
-    """What ``smp.init`` would refuse (keys the plan calls ``unsupported``), so "valid" means it will start."""
+    """What ``smp.init`` would refuse (keys the plan calls ``unsupported``), so "valid" means it will start. Without
+    a world size the plan is made for the smallest world the degrees allow (:func:`smallest_world`)."""
     from smp2ds.translator import normalize, plan
     from smp2ds.translator.issues import SMPConfigError
 
     try:
-        plan(normalize(doc, layout), layout).raise_if_unsupported()
+        config = normalize(doc, layout)
+        if _world_unknown(config, layout):
+            layout = _with_world(layout, smallest_world(config))
+        plan(config, layout).raise_if_unsupported()
     except SMPConfigError as err:
         return list(err.issues)
     return []
+
+
+def _world_unknown(config: Any, layout: Any) -> bool:
+    from smp2ds.translator.layout import resolve_layout
+
+    return resolve_layout(config, layout).world_size is None
+
+
+def smallest_world(config: Any) -> int:
+    """The fewest processes the configuration's degrees fit: pipeline x tensor x sharded-data-parallel degree."""
+    params = config.params
+    return (int(params.get("pipeline_parallel_degree", 1)) * int(params.get("tensor_parallel_degree", 1))
+            * max(1, int(params.get("sharded_data_parallel_degree", 1))))
+
+
+def _with_world(layout: Any, world: int) -> Any:
+    from dataclasses import replace
+
+    from smp2ds.translator.plan_types import Layout
+
+    return replace(layout, world_size=world) if layout is not None else Layout(world_size=world)
 
 
 def _summary(doc: Any, layout: Any) -> dict[str, Any]:
@@ -84,6 +110,9 @@ def _summary(doc: Any, layout: Any) -> dict[str, Any]:
 
     cfg = normalize(doc, layout)
     out: dict[str, Any] = {"kind": cfg.kind, "strategy": cfg.strategy, "smp_version": cfg.smp_version}
+    if _world_unknown(cfg, layout):
+        out["world_size"] = (f"not given: the world-size rules were not checked (pass --world-size N); the smallest "
+                             f"world these degrees fit is {smallest_world(cfg)}")
     if cfg.instance_type:
         out["instance_type"] = cfg.instance_type
     if cfg.instance_count:
