@@ -106,6 +106,8 @@ class Document:
     instance_type: Any = None
     instance_count: Any = None
     hyperparameters: Mapping[str, Any] = field(default_factory=dict)
+    environment: Mapping[str, Any] = field(default_factory=dict)
+    """The estimator's ``environment``: variables SageMaker set in the training container."""
 
     @property
     def base(self) -> tuple[Any, ...]:
@@ -134,11 +136,12 @@ def read_document(doc: Any) -> Document | None:
         return Document(root=doc, kind=kind, smp_version=2 if kind == "smp_v2" else 1, params=doc)
     if kind == "estimator":
         dist, dist_path = doc.get("distribution"), ("distribution",)
-        hyper = doc.get("hyperparameters")
+        hyper, environment = doc.get("hyperparameters"), doc.get("environment")
         extra = {
             "instance_type": doc.get("instance_type"),
             "instance_count": doc.get("instance_count"),
             "hyperparameters": hyper if isinstance(hyper, Mapping) else {},
+            "environment": environment if isinstance(environment, Mapping) else {},
         }
     else:
         dist, dist_path, extra = doc, (), {}

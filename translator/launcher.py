@@ -126,8 +126,10 @@ def launcher_section(
     instance_type: str | None,
     hyperparameters: Mapping[str, Any],
     script: str = SCRIPT_PLACEHOLDER,
+    environment: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The plan's ``launcher`` section."""
+    """The plan's ``launcher`` section. ``environment``: the estimator's own variables, carried into every
+    launch as SageMaker set them in the container."""
     hosts = hosts_for(nodes)
     master = hosts[0]
     master_port = port if port is not None else DEFAULT_MASTER_PORT
@@ -144,6 +146,10 @@ def launcher_section(
         instance_type=instance_type,
         hyperparameters=hyperparameters,
     )
+    # what the job's mpirun exported (-x NAME=VALUE in custom_mpi_options: EFA settings) and the estimator's
+    # environment reach the ranks under every launcher, not under mpirun alone
+    env.update(exported_by_mpi_options(custom))
+    env.update(environment or {})
     script_argv = with_hyperparameters([script], hyperparameters)
     deepspeed = ["deepspeed"]
     if nodes > 1:
@@ -208,6 +214,18 @@ def launcher_section(
         "env": env,
         "custom_mpi_options": custom,
     }
+
+
+def exported_by_mpi_options(options: str) -> dict[str, str]:
+    """``NAME=VALUE`` pairs that ``-x NAME=VALUE`` in ``custom_mpi_options`` exports (a bare ``-x NAME`` passes
+    the launcher's own value, which the ranks inherit anyway)."""
+    tokens = shlex.split(options)
+    out: dict[str, str] = {}
+    for flag, value in zip(tokens, tokens[1:]):
+        if flag == "-x" and "=" in value:
+            name, _, val = value.partition("=")
+            out[name] = val
+    return out
 
 
 def _environment(

@@ -89,6 +89,7 @@ def _build(doc: Document, given: dict[str, Any]) -> SMPConfig:
         "instance_type": doc.instance_type if isinstance(doc.instance_type, str) else None,
         "instance_count": count if isinstance(count, int) and not isinstance(count, bool) else None,
         "hyperparameters": _block(doc.hyperparameters),
+        "environment": {k: str(v) for k, v in _block(doc.environment).items()},
         "pointers": pointers,
     }
     if doc.strategy == "dataparallel":

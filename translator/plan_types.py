@@ -50,9 +50,11 @@ class SMPConfig:
     instance_type: str | None = None
     instance_count: int | None = None
     hyperparameters: Mapping[str, Any] = field(default_factory=dict)
+    environment: Mapping[str, Any] = field(default_factory=dict)
+    """The estimator's ``environment`` dict (variables of the training container)."""
 
     def __post_init__(self) -> None:
-        for name in ("params", "given", "pointers", "v2", "mpi", "hyperparameters"):
+        for name in ("params", "given", "pointers", "v2", "mpi", "hyperparameters", "environment"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
 
     def __getattr__(self, name: str) -> Any:

@@ -97,6 +97,7 @@ def plan(config: SMPConfig, layout: Layout | None = None) -> Plan:
         mpi=config.mpi,
         instance_type=config.instance_type,
         hyperparameters=config.hyperparameters,
+        environment=config.environment,
     )
     remarks += _remarks(config, params, topo, batch, resolved)
     remarks += mremarks

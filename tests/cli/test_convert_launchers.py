@@ -41,6 +41,7 @@ def estimator(tmp_path: Path, script: str, **params: object) -> str:
         "instance_count": 1,
         # a hyphenated name: SM_HP_CHECKPOINT-DIR, which no shell can export
         "hyperparameters": {"out": str(tmp_path), "checkpoint-dir": str(tmp_path / "ckpt")},
+        "environment": {"FROM_ESTIMATOR": "carried"},  # the estimator's own variables
         "distribution": {
             "mpi": {"enabled": True, "processes_per_host": 2},
             "smdistributed": {
@@ -71,10 +72,12 @@ def test_torchrun_multinode_script_names_nodes_processes_and_env(capsys):
     text = convert([str(GPT2_30B), "--to", "torchrun"], capsys)
     command = text.strip().splitlines()[-1]
     assert command.startswith(
-        'torchrun --nnodes 32 --nproc-per-node 8 --node-rank "${NODE_RANK}" --master-addr algo-1 '
+        'torchrun --nnodes 32 --nproc-per-node 8 --node-rank "${NODE_RANK}" --master-addr "${MASTER_ADDR:-algo-1}" '
         "--master-port 29760 train_gpt_simple.py --activation_checkpointing 1"
     )  # estimator: 32 x ml.p4d.24xlarge, 8 processes per host, its entry_point
     assert "# run on every node with NODE_RANK set to its index (0 on algo-1, the master)" in text
+    # the EFA settings of custom_mpi_options reach the ranks under torchrun too
+    assert "export FI_PROVIDER=efa" in text and "export FI_EFA_USE_DEVICE_RDMA=1" in text
     assert 'export SM_CURRENT_HOST="algo-$((NODE_RANK + 1))"' in text
     assert "export SM_HP_MP_PARAMETERS='{\"activation_loading_horizon\":4," in text
 
@@ -145,7 +148,7 @@ parser.add_argument("--checkpoint-dir")
 args = parser.parse_args()
 rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
 seen = {k: os.environ.get(k) for k in ("SM_HP_MP_PARAMETERS", "SM_HOSTS", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE",
-                                       "SM_HP_CHECKPOINT-DIR")}
+                                       "SM_HP_CHECKPOINT-DIR", "FROM_ESTIMATOR")}
 seen["checkpoint_dir_arg"] = args.checkpoint_dir
 with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as handle:
     json.dump(seen, handle)
@@ -171,6 +174,7 @@ def test_printed_single_node_launch_runs_two_ranks(target, tmp_path, capsys):
         assert json.loads(seen["SM_HOSTS"]) == ["algo-1"]
         assert (seen["WORLD_SIZE"] or seen["OMPI_COMM_WORLD_SIZE"]) == "2"
         assert seen["SM_HP_CHECKPOINT-DIR"] == seen["checkpoint_dir_arg"] == str(tmp_path / "ckpt")
+        assert seen["FROM_ESTIMATOR"] == "carried"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ def render_launch_script(spec: Mapping[str, Any], instance: str | None = None) -
         f"# {spec['launcher']}: {spec['nodes']} node(s) x {spec['nproc_per_node']} process(es) per node = "
         f"{spec['world_size']} ranks" + (f" ({instance})" if instance else ""),
         f"# hosts {span}: SageMaker's host names; map them to your machines (/etc/hosts) or edit them below",
+        f"# MASTER_ADDR: the first node's address (default {hosts[0]})",
     ]
     if spec["launcher"] == "torchrun" and spec["nodes"] > 1:
         lines.append(f"# run on every node with NODE_RANK set to its index (0 on {hosts[0]}, the master)")
@@ -92,9 +93,24 @@ def render_launch_script(spec: Mapping[str, Any], instance: str | None = None) -
     return "\n".join(lines) + "\n"
 
 
+_MASTER_FLAGS = ("--master-addr", "--master_addr")
+
+
 def shell_command(argv: Sequence[str]) -> str:
-    """``argv`` quoted for the shell, except ``${NODE_RANK}``, which the shell must expand."""
-    return " ".join('"${NODE_RANK}"' if arg == NODE_RANK else shlex.quote(arg) for arg in argv)
+    """``argv`` quoted for the shell, except ``${NODE_RANK}``, which the shell must expand, and the master
+    address, which ``$MASTER_ADDR`` overrides (SageMaker's first host name is only the default)."""
+    words = []
+    for i, arg in enumerate(argv):
+        before = argv[i - 1] if i else ""
+        if arg == NODE_RANK:
+            words.append('"${NODE_RANK}"')
+        elif before in _MASTER_FLAGS:
+            words.append(f'"${{MASTER_ADDR:-{arg}}}"')
+        elif before == "-x" and arg.startswith("MASTER_ADDR="):
+            words.append(f'"MASTER_ADDR=${{MASTER_ADDR:-{arg.partition("=")[2]}}}"')
+        else:
+            words.append(shlex.quote(arg))
+    return " ".join(words)
 
 
 def _with_entry_point(command: list[str], placeholder: str, entry_point: str | None) -> list[str]:
