@@ -45,3 +45,14 @@ def test_one_node_on_purpose_checks_the_config_for_one_node(capsys):
     assert main(["launch", "--estimator", ESTIMATOR, "--nnodes", "1", "--dry-run"]) == 1
     err = capsys.readouterr().err
     assert "sharded_data_parallel_degree" in err and "128" in err
+
+
+def test_accelerate_refuses_tensor_and_pipeline_parallelism_instead_of_dropping_them(tmp_path, capsys):
+    """accelerate's DeepSpeed plugin cannot run them; the config used to come out without them, and with a
+    train_batch_size for a data-parallel degree of the whole world."""
+    config = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "gpt3_175b_tp_pp_004.json")
+    out = tmp_path / "run.yaml"
+    assert main(["convert", config, "--to", "accelerate", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "/tensor_parallel_degree: tensor_parallel_degree 8 cannot be carried to accelerate" in err
+    assert "/pipeline_parallel_degree" in err and not out.exists()

@@ -125,6 +125,8 @@ def _write_accelerate(result: Any, args: argparse.Namespace) -> int:
     from . import report
     from .accelerate_config import deepspeed_json_path, render_accelerate_yaml
 
+    _refuse_model_parallel_for_accelerate(result)
+
     ds_path = deepspeed_json_path(args.output)
     write_atomically(ds_path, report.dump_json(result.deepspeed))
     write_atomically(args.output, render_accelerate_yaml(result, ds_path, source_name(args.file)))
@@ -133,6 +135,22 @@ def _write_accelerate(result: Any, args: argparse.Namespace) -> int:
     else:
         sys.stderr.write(f"smp2ds convert: wrote accelerate config {args.output} -> DeepSpeed config {ds_path}\n")
     return EXIT_OK
+
+
+def _refuse_model_parallel_for_accelerate(result: Any) -> None:
+    """accelerate's DeepSpeed plugin runs data parallelism and ZeRO only, and sizes the batch by the whole world:
+    a plan with tensor or pipeline parallelism would lose both without a word."""
+    from smp2ds.translator.issues import Issue, SMPConfigError
+
+    topo = result.topology
+    degrees = ("tensor_parallel_degree", "pipeline_parallel_degree")
+    split = {key: int(topo[key]) for key in degrees if int(topo[key]) > 1}
+    if split:
+        raise SMPConfigError([Issue(
+            f"/{key}", f"{key} {value} cannot be carried to accelerate: its DeepSpeed plugin runs data parallelism "
+            "and ZeRO only (and would size train_batch_size for a data-parallel degree of the whole world)",
+            hint="run the script unchanged with smp2ds launch, or convert --to torchrun / deepspeed-launcher, "
+                 "which keep tensor and pipeline parallelism") for key, value in split.items()])
 
 
 def render_launch(result: Any, target: str, fmt: str, entry_point: str | None, config: Any) -> str:
