@@ -29,7 +29,7 @@ from .precision import PrecisionSettings, dtype_of, gradient_clipping, precision
 from .semantics import resolve_v1
 from .sharded_data import engine_mics
 from .tensor_parallel import engine_tensor_parallel, tensor_parallel_block
-from .topology import Topology
+from .topology import Topology, tensor_parallel_spread
 from .zero import top_level as zero_top_level
 from .zero import zero_block, zero_stage
 
@@ -60,6 +60,12 @@ def plan(config: SMPConfig, layout: Layout | None = None) -> Plan:
     topo = _topology(config, params, world)
     remarks: list[str] = []
     rpn, nodes = _nodes(resolved, remarks)
+    spread = tensor_parallel_spread(topo, rpn)
+    if spread:
+        remarks.append(spread)
+    overridden = _world_override(config, resolved)
+    if overridden:
+        remarks.append(overridden)
     batch = plan_batch(
         per_rank_batch=resolved.batch_size,
         microbatches=params["microbatches"],
@@ -309,6 +315,18 @@ def _topology_section(
     else:
         out["groups"] = None
     return out
+
+
+def _world_override(config: SMPConfig, resolved: ResolvedLayout) -> str | None:
+    """A warning when an explicit world size replaces what the estimator's instances give."""
+    count, per_node = config.instance_count, resolved.ranks_per_node
+    if resolved.world_source != "layout" or not count or not per_node:
+        return None
+    estimator_world = count * per_node
+    if resolved.world_size == estimator_world or resolved.nodes == count:
+        return None
+    return (f"warning: the world size {resolved.world_size} given replaces the estimator's instance_count({count}) "
+            f"x {per_node} processes = {estimator_world}; the plan is for {resolved.world_size} ranks")
 
 
 def _remarks(

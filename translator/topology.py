@@ -172,3 +172,20 @@ class Topology:
         if shard_size < 1 or self.rdp % shard_size:
             what = "data-parallel degree" if self.tp == 1 else "reduced data-parallel degree (world / (pp x tp))"
             raise ValueError(f"sharded_data_parallel_degree({shard_size}) must divide the {what}({self.rdp})")
+
+
+def tensor_parallel_spread(topo: Topology, ranks_per_node: int) -> str | None:
+    """A warning when tensor-parallel groups leave a node (``placement_strategy`` with ``T`` not varying fastest,
+    e.g. ``spread``): their collectives, several per layer in forward and backward, then cross the network.
+    None when every group stays on one node."""
+    if topo.tp == 1 or ranks_per_node < 1:
+        return None
+    groups = topo.groups("tp")
+    spans = [len({rank // ranks_per_node for rank in group}) for group in groups]
+    crossing = sum(1 for span in spans if span > 1)
+    if not crossing:
+        return None
+    return (f"warning: placement_strategy {topo.placement!r} spreads {crossing} of the {len(groups)} tensor-parallel "
+            f"groups over up to {max(spans)} nodes ({ranks_per_node} ranks per node): tensor parallelism's "
+            "collectives, several per layer in forward and backward, then cross the network; use "
+            "placement_strategy cluster (or any order ending in T) to keep each group inside a node")

@@ -173,6 +173,8 @@ def _config(args: argparse.Namespace, env: dict[str, str],
     findings.append(rules.Finding(where, "ok", f"valid: pp={topo['pipeline_parallel_degree']} "
                                   f"tp={topo['tensor_parallel_degree']} rdp={topo['rdp_degree']}"))
     findings += rules.check_layout(int(topo["world_size"]), int(topo["ranks_per_node"]), machine, nodes)
+    findings += [rules.Finding("placement", "warn", remark.removeprefix("warning: "), "")
+                 for remark in result.remarks if remark.startswith("warning: placement_strategy")]
     return findings, result.deepspeed
 
 

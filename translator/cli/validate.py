@@ -59,12 +59,24 @@ def validate_command(args: argparse.Namespace) -> int:
         else:
             write_stdout(report.render_issues_text(issues, source))
         return EXIT_INVALID
+    warnings = _warnings(doc, layout)
     if args.format == "json":
-        write_stdout(report.dump_json({"source": source, "valid": True, "issues": [], **(summary or {})}))
+        write_stdout(report.dump_json({"source": source, "valid": True, "issues": [], "warnings": warnings,
+                                       **(summary or {})}))
     else:
         details = ", ".join(f"{k} {v}" for k, v in (summary or {}).items())
-        write_stdout(f"{source}: valid SMP configuration ({details})\n")
+        write_stdout(f"{source}: valid SMP configuration ({details})\n" + "".join(f"  {w}\n" for w in warnings))
     return EXIT_OK
+
+
+def _warnings(doc: Any, layout: Any) -> list[str]:
+    """The plan's warnings for a valid document (layouts that run, but slowly: see ``explain``)."""
+    from smp2ds.translator import normalize, plan
+
+    config = normalize(doc, layout)
+    if _world_unknown(config, layout):
+        return []
+    return [r for r in plan(config, layout).remarks if r.startswith("warning:")]
 
 
 def _refusals(doc: Any, layout: Any) -> list[Any]:
