@@ -19,8 +19,11 @@ SNAPSHOT: dict[str, dict[str, object]] = {
     "convert": {
         "options": [
             "--batch-size",
+            "--channel",
+            "--checkpoint-dir",
             "--format{json,text}=text",
             "--gpus-per-node",
+            "--output-dir",
             "--overwrite",
             "--to{accelerate,deepspeed,deepspeed-launcher,launcher,megatron,mpirun,plan,torchrun}=deepspeed",
             "--world-size",

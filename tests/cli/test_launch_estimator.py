@@ -56,3 +56,27 @@ def test_accelerate_refuses_tensor_and_pipeline_parallelism_instead_of_dropping_
     err = capsys.readouterr().err
     assert "/tensor_parallel_degree: tensor_parallel_degree 8 cannot be carried to accelerate" in err
     assert "/pipeline_parallel_degree" in err and not out.exists()
+
+
+def test_convert_maps_sagemakers_paths_to_local_folders(tmp_path, capsys):
+    """An estimator whose hyperparameters point at SageMaker's container paths, converted with the folders they
+    map to: no /opt/ml path is left in the script, and the SM_* folders point at the given ones."""
+    spec = {"entry_point": "train.py", "instance_type": "ml.g5.12xlarge", "instance_count": 1,
+            "hyperparameters": {"checkpoint-dir": "/opt/ml/checkpoints", "model-dir": "/opt/ml/model",
+                                "train": "/opt/ml/input/data/train"},
+            "distribution": {"mpi": {"enabled": True, "processes_per_host": 2},
+                             "smdistributed": {"modelparallel": {"enabled": True, "parameters": {"ddp": True}}}}}
+    path = tmp_path / "estimator.json"
+    path.write_text(json.dumps(spec))
+    out, ckpt, train = tmp_path / "job", tmp_path / "ckpt", tmp_path / "train"
+    argv = ["convert", str(path), "--to", "torchrun", "--format", "json", "--output-dir", str(out),
+            "--checkpoint-dir", str(ckpt), "--channel", f"train={train}"]
+    assert main(argv) == 0
+    launch = json.loads(capsys.readouterr().out)
+    assert "/opt/ml" not in json.dumps(launch)
+    command = launch["command"]
+    assert command[command.index("--checkpoint-dir") + 1] == str(ckpt)
+    assert command[command.index("--model-dir") + 1] == str(out / "model")
+    assert launch["env"]["SM_MODEL_DIR"] == str(out / "model") and launch["env"]["SM_CHANNEL_TRAIN"] == str(train)
+    assert main(["convert", str(path), "--to", "deepspeed", "--output-dir", str(out)]) == 2
+    assert "use them with --to torchrun" in capsys.readouterr().err

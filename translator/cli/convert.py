@@ -57,6 +57,13 @@ def convert_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("--to", choices=TARGETS, default="deepspeed", help="what to produce (default: deepspeed)")
     parser.add_argument("-o", "--output", metavar="OUT", help="write to OUT instead of standard output")
     parser.add_argument("--overwrite", action="store_true", help="allow -o to replace an existing file")
+    paths = parser.add_argument_group("SageMaker's paths, for --to torchrun / deepspeed-launcher / mpirun")
+    paths.add_argument("--output-dir", metavar="DIR",
+                       help="where /opt/ml/model (SM_MODEL_DIR: DIR/model) and /opt/ml/output go")
+    paths.add_argument("--checkpoint-dir", metavar="DIR", help="where /opt/ml/checkpoints goes")
+    paths.add_argument("--channel", action="append", default=[], metavar="NAME=PATH",
+                       help="an input channel: SM_CHANNEL_<NAME>=PATH, and /opt/ml/input/data/NAME -> PATH "
+                       "(repeatable)")
     add_format_arg(parser)
     parser.set_defaults(handler=convert_command)
     return parser
@@ -71,6 +78,10 @@ def convert_command(args: argparse.Namespace) -> int:
     for path in _outputs(args):
         if os.path.exists(path) and not args.overwrite:
             raise UsageError(f"{path} exists; pass --overwrite to replace it")
+    mapping = bool(args.output_dir or args.checkpoint_dir or args.channel)
+    if mapping and args.to not in LAUNCH_TARGETS:
+        raise UsageError(f"--output-dir, --checkpoint-dir and --channel map SageMaker's paths in a launch script; "
+                         f"use them with --to {' / '.join(LAUNCH_TARGETS)}, not --to {args.to}")
 
     from smp2ds.translator.load import load_document
     from smp2ds.translator.normalize import normalize
@@ -85,7 +96,7 @@ def convert_command(args: argparse.Namespace) -> int:
     if args.to == "accelerate":
         return _write_accelerate(result, args)
     if args.to in LAUNCH_TARGETS:
-        text = render_launch(result, args.to, args.format, _entry_point(document), config)
+        text = render_launch(result, args.to, args.format, _entry_point(document), config, _local_paths(args))
     else:
         text = render(result, args.to, args.format)
     if args.output:
@@ -153,12 +164,29 @@ def _refuse_model_parallel_for_accelerate(result: Any) -> None:
                  "which keep tensor and pipeline parallelism") for key, value in split.items()])
 
 
-def render_launch(result: Any, target: str, fmt: str, entry_point: str | None, config: Any) -> str:
+def _local_paths(args: argparse.Namespace) -> dict[str, Any]:
+    """The folders SageMaker's paths map to (absolute), from --output-dir, --checkpoint-dir and --channel."""
+    channels = {}
+    for item in args.channel:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UsageError(f"--channel expects NAME=PATH, got {item!r}")
+        channels[name] = os.path.abspath(path)
+    return {"output_dir": args.output_dir and os.path.abspath(args.output_dir),
+            "checkpoint_dir": args.checkpoint_dir and os.path.abspath(args.checkpoint_dir), "channels": channels}
+
+
+def render_launch(result: Any, target: str, fmt: str, entry_point: str | None, config: Any,
+                  paths: dict[str, Any] | None = None) -> str:
     """``--to torchrun|deepspeed-launcher|mpirun``: a shell script, or its parts as one JSON object."""
+    from smp2ds.translator.sagemaker_paths import map_paths
+
     from . import report
     from .launch_script import launch_spec, render_launch_script
 
     spec = launch_spec(result.launcher, target, entry_point)
+    if paths and (paths["output_dir"] or paths["checkpoint_dir"] or paths["channels"]):
+        spec["env"], spec["command"] = map_paths(spec["env"], spec["command"], **paths)
     if fmt == "json":
         return report.dump_json(spec)
     instance = f"{config.instance_count} x {config.instance_type}" if config.instance_type else None
