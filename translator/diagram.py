@@ -16,13 +16,14 @@ Two pictures, each computed here and only rendered by ``smp2ds.translator.cli.di
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .topology import Topology
 
 MAX_DRAWN_RANKS = 128
-"""Above this many ranks a grid of labelled boxes is no longer readable."""
+"""Above this many ranks a grid of labelled boxes is no longer readable: a larger layout is drawn condensed, its
+first two nodes and its last one standing for the rest (the placement repeats node after node)."""
 
 Phase = Literal["F", "B"]
 
@@ -48,24 +49,35 @@ class RankCell:
 
 @dataclass(frozen=True)
 class RankGrid:
-    """Nodes (each the list of its global ranks), the labelled ranks and the groups per kind."""
+    """The drawn nodes (each the list of its global ranks), their labelled ranks and the groups per kind."""
 
     nodes: list[list[int]]
     cells: list[RankCell]
+    """The drawn ranks, in rank order (every rank unless the layout is condensed)."""
     groups: dict[str, list[list[int]]]
-    """Kind -> groups, each in in-group rank order; only kinds with a group of more than one rank."""
+    """Kind -> every group of the layout, each in in-group rank order (drawn: the members on drawn nodes);
+    only kinds with a group of more than one rank."""
     title: str
+    node_ids: list[int] = field(default_factory=list)
+    """The layout's index of each drawn node (``0..N-1`` unless condensed)."""
+    elided_nodes: int = 0
+    """Nodes not drawn (condensed layouts), between the second drawn node and the last."""
+
+    def cell(self, rank: int) -> RankCell:
+        """The drawn cell of ``rank``."""
+        return self._by_rank[rank]
+
+    @property
+    def _by_rank(self) -> dict[int, RankCell]:
+        return {c.rank: c for c in self.cells}
 
 
 def rank_grid(topology: Mapping[str, Any]) -> RankGrid:
     """The grid of ``plan.topology`` (a Plan's ``topology`` section), ready to render.
 
-    Raises ValueError above `MAX_DRAWN_RANKS` ranks (the caller reports it as a usage error).
+    Above `MAX_DRAWN_RANKS` ranks only representative nodes are drawn (:func:`shown_nodes`).
     """
     world = int(topology["world_size"])
-    if world > MAX_DRAWN_RANKS:
-        raise ValueError(f"--diagram draws at most {MAX_DRAWN_RANKS} ranks, the layout has {world}; "
-                         "use --format json for the groups of a larger layout")
     topo = Topology(pp=int(topology["pipeline_parallel_degree"]), tp=int(topology["tensor_parallel_degree"]),
                     rdp=int(topology["rdp_degree"]), placement=str(topology["placement"]))
     per_node = int(topology["ranks_per_node"])
@@ -78,16 +90,30 @@ def rank_grid(topology: Mapping[str, Any]) -> RankGrid:
         groups["shard"] = topo.shard_groups(shard)
         groups["replica"] = topo.replica_groups(shard)
     shard_of = {r: i for i, g in enumerate(groups.get("shard", [])) for r in g}
+    all_nodes = [list(range(n * per_node, min(world, (n + 1) * per_node))) for n in range(-(-world // per_node))]
+    node_ids = shown_nodes(len(all_nodes), per_node)
+    nodes = [all_nodes[n][:MAX_DRAWN_RANKS] for n in node_ids]
     cells = []
-    for rank in range(world):
+    for rank in (r for ranks in nodes for r in ranks):
         c = topo.coords(rank)
         cells.append(RankCell(rank=rank, node=rank // per_node, local_rank=rank % per_node, pp_rank=c.pp_rank,
                               tp_rank=c.tp_rank, rdp_rank=c.rdp_rank, shard_group=shard_of.get(rank)))
-    nodes = [list(range(n * per_node, min(world, (n + 1) * per_node))) for n in range(-(-world // per_node))]
-    title = (f"{world} ranks on {len(nodes)} node(s) of {per_node}: pp={topo.pp} tp={topo.tp} rdp={topo.rdp}"
+    title = (f"{world} ranks on {len(all_nodes)} node(s) of {per_node}: pp={topo.pp} tp={topo.tp} rdp={topo.rdp}"
              + (f" sdp={shard}" if shard > 1 else "") + f", placement {topo.order}")
+    if len(cells) < world:
+        title += f"; drawn: nodes {', '.join(map(str, node_ids))} (the others repeat the pattern)"
     return RankGrid(nodes=nodes, cells=cells, groups={k: g for k, g in groups.items() if max(map(len, g)) > 1},
-                    title=title)
+                    title=title, node_ids=node_ids, elided_nodes=len(all_nodes) - len(node_ids))
+
+
+def shown_nodes(count: int, per_node: int) -> list[int]:
+    """The nodes drawn of ``count`` nodes of ``per_node`` ranks: all of them up to `MAX_DRAWN_RANKS` ranks, else
+    the first two and the last (a node of more ranks than that is drawn alone, cut to its first ranks)."""
+    if count * per_node <= MAX_DRAWN_RANKS:
+        return list(range(count))
+    if 3 * per_node > MAX_DRAWN_RANKS or count < 3:
+        return [0]
+    return [0, 1, count - 1]
 
 
 @dataclass(frozen=True)

@@ -151,8 +151,35 @@ def test_cli_refusals(tmp_path):
     assert not (tmp_path / "x.png").exists()
     proc = explain(str(config), "--world-size", "4", "--schedule", str(tmp_path / "s.png"))
     assert proc.returncode == 2 and "pipeline_parallel_degree is 1" in proc.stderr
-    proc = explain(str(config), "--world-size", "256", "--diagram", str(tmp_path / "x.png"))
-    assert proc.returncode == 2 and "at most 128 ranks" in proc.stderr
     proc = explain(str(config), "--world-size", "4", "--diagram", str(tmp_path / "x.pdf"))
     assert proc.returncode == 2 and ".svg or .png" in proc.stderr
 
+
+
+def test_a_large_layout_is_drawn_condensed_with_every_group_kept(tmp_path):
+    """The 4-node estimator a new user drew (tp 8, spread) is small enough; 256 ranks on 32 nodes of 8 used to be
+    refused. Now the first two nodes and the last are drawn, their cells labelled as in the full grid, and every
+    group of the plan kept (so more than 10 groups stay numbered apart)."""
+    topo = planned({"tensor_parallel_degree": 8, "ddp": True, "placement_strategy": "spread"}, 256, 8).topology
+    grid = rank_grid(topo)
+    assert grid.node_ids == [0, 1, 31] and grid.elided_nodes == 29
+    assert [c.rank for c in grid.cells] == [*range(16), *range(248, 256)]
+    assert "drawn: nodes 0, 1, 31" in grid.title
+    assert len(grid.groups["tp"]) == 32 and sum(map(len, grid.groups["tp"])) == 256
+    cell = grid.cell(250)
+    assert (cell.node, cell.local_rank, cell.tp_rank) == (31, 2, topo_coords(topo, 250).tp_rank)
+    pytest.importorskip("matplotlib")
+    config = tmp_path / "smp.json"
+    config.write_text(json.dumps({"tensor_parallel_degree": 8, "ddp": True, "placement_strategy": "spread"}))
+    out = tmp_path / "grid.svg"
+    proc = explain(str(config), "--world-size", "256", "--gpus-per-node", "8", "--diagram", str(out))
+    assert proc.returncode == 0, proc.stderr
+    svg = out.read_text()
+    assert "29 nodes like it not drawn" in svg and "g31" in svg
+
+
+def topo_coords(topo: dict, rank: int):
+    from smp2ds.translator.topology import Topology
+
+    return Topology(pp=topo["pipeline_parallel_degree"], tp=topo["tensor_parallel_degree"], rdp=topo["rdp_degree"],
+                    placement=topo["placement"]).coords(rank)

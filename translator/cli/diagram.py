@@ -47,27 +47,31 @@ def require_matplotlib() -> Any:
 
 def _cell_xy(grid: RankGrid, rank: int, top: float) -> tuple[float, float]:
     """Lower-left corner of ``rank``'s box in a panel whose top edge is at ``top``."""
-    cell = grid.cells[rank]
-    rows_before = sum(-(-len(n) // _PER_ROW) for n in grid.nodes[: cell.node])
+    cell = grid.cell(rank)
+    position = grid.node_ids.index(cell.node)  # among the drawn nodes
+    rows_before = sum(-(-len(n) // _PER_ROW) for n in grid.nodes[:position])
     row = rows_before + cell.local_rank // _PER_ROW
-    return (cell.local_rank % _PER_ROW) * _CELL_W, top - (row + 1) * _CELL_H - cell.node * 0.45
+    return (cell.local_rank % _PER_ROW) * _CELL_W, top - (row + 1) * _CELL_H - position * 0.45
 
 
-def _panel(ax: Any, grid: RankGrid, title: str, colour_of: dict[int, str] | None) -> None:
+def _panel(ax: Any, grid: RankGrid, title: str, colour_of: dict[int, str] | None,
+           group_of: dict[int, int] | None = None) -> None:
     from matplotlib.patches import Rectangle
 
     rows = sum(-(-len(n) // _PER_ROW) for n in grid.nodes)
     height = rows * _CELL_H + len(grid.nodes) * 0.45
-    for n, ranks in enumerate(grid.nodes):  # node boxes around their ranks
+    for position, (n, ranks) in enumerate(zip(grid.node_ids, grid.nodes)):  # node boxes around their ranks
         xs, ys = zip(*(_cell_xy(grid, r, height) for r in ranks))
         ax.add_patch(Rectangle((min(xs) - 0.08, min(ys) - 0.08), max(xs) - min(xs) + _CELL_W + 0.16 - 0.1,
                                max(ys) - min(ys) + _CELL_H + 0.3, fill=False, lw=1.4, ec="#333333"))
-        ax.text(min(xs), max(ys) + _CELL_H + 0.02, f"node {n}", fontsize=8, va="bottom")
+        elided = f"   ({grid.elided_nodes} nodes like it not drawn)" if grid.elided_nodes and position == 1 else ""
+        ax.text(min(xs), max(ys) + _CELL_H + 0.02, f"node {n}{elided}", fontsize=8, va="bottom")
     for cell in grid.cells:
         x, y = _cell_xy(grid, cell.rank, height)
         face = "#f4f4f4" if colour_of is None else colour_of.get(cell.rank, "#ffffff")
         ax.add_patch(Rectangle((x, y), _CELL_W - 0.1, _CELL_H - 0.1, fc=face, ec="#555555", lw=0.6))
-        text = cell.label if colour_of is None else f"r{cell.rank}"
+        # beyond the palette's 10 colours groups share a colour: the group number tells them apart
+        text = cell.label if colour_of is None else f"r{cell.rank}\ng{(group_of or {}).get(cell.rank, '-')}"
         ax.text(x + (_CELL_W - 0.1) / 2, y + (_CELL_H - 0.1) / 2, text, ha="center", va="center",
                 fontsize=6.5 if colour_of is None else 8)
     ax.set_xlim(-0.2, _PER_ROW * _CELL_W + 0.1)
@@ -88,8 +92,9 @@ def render_grid(grid: RankGrid, path: Path) -> None:
     _panel(axes[0], grid, grid.title, None)
     for ax, kind in zip(axes[1:], kinds):
         colours = {r: _PALETTE[i % len(_PALETTE)] for i, g in enumerate(grid.groups[kind]) for r in g}
+        numbers = {r: i for i, g in enumerate(grid.groups[kind]) for r in g}
         count = len(grid.groups[kind])
-        _panel(ax, grid, f"{_KIND_TITLES[kind]}: {count} group{'s' * (count != 1)}", colours)
+        _panel(ax, grid, f"{_KIND_TITLES[kind]}: {count} group{'s' * (count != 1)}", colours, numbers)
     fig.tight_layout()
     fig.savefig(path)
 
