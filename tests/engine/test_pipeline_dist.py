@@ -1,7 +1,7 @@
 """Pipeline parallelism in real processes (gloo, CPU) against a single-process PyTorch reference.
 
-Two spawned runs: pp=2 on 2 ranks and pp=2 x dp=2 on 4 ranks. Each trains tiny GPT-2, BERT and
-nn.Sequential models with both schedules (interleaved = 1F1B, simple = GPipe), 4 micro-batches,
+Two spawned runs: pp=2 on 2 ranks and pp=2 x dp=2 on 4 ranks. Each trains tiny GPT-2, BERT (classification,
+question answering, masked LM) and nn.Sequential models with both schedules (interleaved = 1F1B, simple = GPipe), 4 micro-batches,
 through SMP-style step functions (``model(...)`` then ``model.backward(loss)``), and returns its
 per-micro-batch losses, full and per-stage state dicts and placement facts. The reference runs the
 same step functions on the plain model, each micro-batch loss scaled by 1/(microbatches x dp) as
@@ -49,6 +49,12 @@ def step_cls(model, ids, mask, y):
     return out.loss, out.logits
 
 
+def step_qa(model, ids, mask, start, end):
+    out = model(input_ids=ids, attention_mask=mask, start_positions=start, end_positions=end)
+    model.backward(out.loss)
+    return out.loss, out.start_logits
+
+
 def step_mlm(model, ids, labels):
     loss, _logits = model(input_ids=ids, labels=labels, return_dict=False)
     model.backward(loss)
@@ -59,7 +65,8 @@ def eval_lm(model, ids, mask):
     return model(input_ids=ids, attention_mask=mask, labels=ids).loss
 
 
-STEP_FNS = {"seq": step_seq, "gpt2": step_lm, "llama": step_lm, "bert_cls": step_cls, "bert_mlm": step_mlm}
+STEP_FNS = {"seq": step_seq, "gpt2": step_lm, "llama": step_lm, "bert_cls": step_cls, "bert_mlm": step_mlm,
+            "bert_qa": step_qa}
 
 
 def batch(kind: str, step: int, dp: int, vary: bool = False) -> tuple[torch.Tensor, ...]:
@@ -77,6 +84,10 @@ def batch(kind: str, step: int, dp: int, vary: bool = False) -> tuple[torch.Tens
     mask[::3, seq - 3:] = 0  # some padded rows
     if kind == "bert_cls":
         return ids, mask, torch.randint(0, 3, (n,), generator=g)
+    if kind == "bert_qa":  # span ends inside the sequence, and one row's beyond it (ignored by the loss)
+        start, end = torch.randint(0, seq // 2, (n,), generator=g), torch.randint(seq // 2, seq, (n,), generator=g)
+        start[0] = end[0] = seq + 5
+        return ids, mask, start, end
     if kind == "bert_mlm":
         labels = torch.where(torch.rand(n, seq, generator=g) < 0.3, ids, torch.full_like(ids, -100))
         labels[:, 0] = ids[:, 0]  # every row has a target
@@ -275,6 +286,7 @@ CASES_PP2 = [
     {"kind": "bert_cls", "pipeline": "interleaved"},
     {"kind": "bert_cls", "pipeline": "simple"},
     {"kind": "bert_mlm", "pipeline": "interleaved"},
+    {"kind": "bert_qa", "pipeline": "interleaved"},
     {"kind": "llama", "pipeline": "simple"},
     {"kind": "llama", "pipeline": "interleaved", "vary": True},
     {"kind": "seq", "pipeline": "interleaved", "active": 1},
@@ -289,6 +301,7 @@ CASES_PP2_DP2 = [
     {"kind": "gpt2", "pipeline": "simple", "placement": "spread"},
     {"kind": "bert_cls", "pipeline": "interleaved", "placement": "spread", "zero": 1},
     {"kind": "bert_cls", "pipeline": "simple", "placement": "cluster"},
+    {"kind": "bert_qa", "pipeline": "simple", "placement": "spread"},
 ]
 
 

@@ -37,6 +37,7 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
     from transformers import (
         BertConfig,
         BertForMaskedLM,
+        BertForQuestionAnswering,
         BertForSequenceClassification,
         GPT2Config,
         GPT2LMHeadModel,
@@ -59,6 +60,8 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         return BertForSequenceClassification(BertConfig(num_labels=3, **bert))
     if kind == "bert_mlm":
         return BertForMaskedLM(BertConfig(**bert))
+    if kind == "bert_qa":
+        return BertForQuestionAnswering(BertConfig(**bert))
     if kind in ("llama", "llama_tied"):
         return LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, hidden_size=16, num_attention_heads=2,
                                             num_key_value_heads=1, intermediate_size=32, vocab_size=VOCAB,
@@ -76,6 +79,23 @@ def _padded_batch(seed: int = 3):
 
 
 # ---- layer lists -------------------------------------------------------------------------------
+def test_question_answering_layer_list_reproduces_the_hf_outputs_and_loss_exactly():
+    """BertForQuestionAnswering: start and end logits and the span loss, positions beyond the sequence ignored."""
+    model = make_model("bert_qa").eval()
+    layer_list = build_layer_list(model)
+    assert layer_list.names[-1] == "qa_outputs"
+    ids, mask = _padded_batch()
+    spans = {"start_positions": torch.tensor([1, 4, 99]), "end_positions": torch.tensor([2, 6, 99])}
+    for kwargs in ({"input_ids": ids}, {"input_ids": ids, "attention_mask": mask, **spans}):
+        with torch.no_grad():
+            ref = model(**kwargs)
+            out = run_layers(layer_list, layer_list.adapter.pipe_inputs((), kwargs))
+            wrapped = layer_list.adapter.make_output(out, (), kwargs)
+        assert torch.equal(wrapped.start_logits, ref.start_logits) and torch.equal(wrapped.end_logits, ref.end_logits)
+        if "start_positions" in kwargs:
+            assert torch.equal(wrapped.loss, ref.loss)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "bert_cls", "bert_mlm", "llama", "llama_tied"])
 def test_layer_list_reproduces_the_hf_forward_and_loss_exactly(kind):
     model = make_model(kind).eval()

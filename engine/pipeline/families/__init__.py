@@ -8,7 +8,8 @@ from smp2ds.engine.pipeline.layers import register_family
 
 register_family("torch.nn.Sequential", sequential.matches, sequential.build)
 register_family("transformers GPT2LMHeadModel", gpt2.matches, gpt2.build)
-register_family("transformers BertForSequenceClassification / BertForMaskedLM", bert.matches, bert.build)
+register_family("transformers BertForSequenceClassification / BertForQuestionAnswering / BertForMaskedLM",
+                bert.matches, bert.build)
 register_family(smp_transformer.FAMILY, smp_transformer.matches, smp_transformer.build)
 # Any other *ForCausalLM (LLaMA included), cut by its decoder structure.
 register_family(hf_decoder.FAMILY, hf_decoder.matches, hf_decoder.build)

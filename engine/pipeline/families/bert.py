@@ -1,10 +1,12 @@
-"""BERT (``BertForSequenceClassification``, ``BertForMaskedLM``) as pipeline layers.
+"""BERT (``BertForSequenceClassification``, ``BertForQuestionAnswering``, ``BertForMaskedLM``) as pipeline
+layers.
 
 Sequence classification: ``bert.embeddings`` -> each ``BertLayer`` -> pooler + dropout +
-classifier. Masked LM: the word embedding is tied to ``cls.predictions.decoder``, so the first
-layer is the tied word-embedding lookup, then the rest of the embeddings (token type + position,
-LayerNorm, dropout, in ``BertEmbeddings``' order), the encoder layers, the prediction-head
-transform, the tied decoder matmul and the decoder bias.
+classifier. Question answering: the same embeddings and layers -> ``qa_outputs`` on every token, whose two
+channels the adapter splits into start and end logits. Masked LM: the word embedding is tied to
+``cls.predictions.decoder``, so the first layer is the tied word-embedding lookup, then the rest of the
+embeddings (token type + position, LayerNorm, dropout, in ``BertEmbeddings``' order), the encoder layers, the
+prediction-head transform, the tied decoder matmul and the decoder bias.
 Tensors between stages: ``(hidden, attention_mask, token_type_ids)`` before the embeddings are
 complete, ``(hidden, attention_mask)`` after; masks are integers and each layer rebuilds the 4-D
 mask with transformers' own mask builder. Losses follow the models' ``forward`` exactly.
@@ -31,11 +33,12 @@ from smp2ds.engine.pipeline.families.hf_common import (
 )
 from smp2ds.engine.pipeline.layers import LayerList, PipeLayer, tied
 
-SUPPORTED_ARGS = ("input_ids", "attention_mask", "token_type_ids", "labels")
+SUPPORTED_ARGS = ("input_ids", "attention_mask", "token_type_ids", "labels", "start_positions", "end_positions")
+FAMILIES = ("BertForSequenceClassification", "BertForQuestionAnswering", "BertForMaskedLM")
 
 
 def matches(model: nn.Module) -> bool:
-    return type(model).__name__ in ("BertForSequenceClassification", "BertForMaskedLM") and hasattr(model, "bert")
+    return type(model).__name__ in FAMILIES and hasattr(model, "bert")
 
 
 def _attention_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor) -> Any:
@@ -103,6 +106,17 @@ class ClassifierHead(nn.Module):
         return self.classifier(self.dropout(self.pooler(inputs[0])))
 
 
+class SpanHead(nn.Module):
+    """``qa_outputs`` on every token's hidden state (two channels: span start and end); drops the mask."""
+
+    def __init__(self, qa_outputs: nn.Module):
+        super().__init__()
+        self.qa_outputs = qa_outputs
+
+    def forward(self, inputs: tuple) -> torch.Tensor:
+        return self.qa_outputs(inputs[0])
+
+
 class Transform(nn.Module):
     """``cls.predictions.transform`` (dense, activation, LayerNorm); drops the mask."""
 
@@ -156,10 +170,29 @@ class BertAdapter:
                 loss = F.cross_entropy(logits.view(-1, self.model.config.vocab_size),
                                        labels.to(logits.device).view(-1))
             return finish(MaskedLMOutput(loss=loss, logits=logits), bound, self.model.config)
+        if type(self.model).__name__ == "BertForQuestionAnswering":
+            return finish(_span_output(logits, bound), bound, self.model.config)
         from transformers.modeling_outputs import SequenceClassifierOutput
 
         loss = None if labels is None else _classification_loss(self.model, logits, labels.to(logits.device))
         return finish(SequenceClassifierOutput(loss=loss, logits=logits), bound, self.model.config)
+
+
+def _span_output(logits: torch.Tensor, bound: dict[str, Any]) -> Any:
+    """``BertForQuestionAnswering``'s output: start and end logits, and with both positions given its loss (the
+    mean of the two cross-entropies, positions outside the sequence clamped to an ignored index)."""
+    from transformers.modeling_outputs import QuestionAnsweringModelOutput
+
+    start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
+    start, end = bound.get("start_positions"), bound.get("end_positions")
+    loss = None
+    if start is not None and end is not None:
+        ignored = start_logits.size(1)
+        start = start.to(logits.device).reshape(-1).clamp(0, ignored)
+        end = end.to(logits.device).reshape(-1).clamp(0, ignored)
+        loss = (F.cross_entropy(start_logits, start, ignore_index=ignored)
+                + F.cross_entropy(end_logits, end, ignore_index=ignored)) / 2
+    return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)
 
 
 def _classification_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -196,6 +229,10 @@ def build(model: nn.Module) -> LayerList:
         layers.append(PipeLayer(name="bert.embeddings", entry=Embeddings(emb), modules=(emb,), owners=(emb,)))
     layers += [PipeLayer(name=f"bert.encoder.layer.{i}", entry=Layer(layer, config), modules=(layer,),
                          owners=(layer,)) for i, layer in enumerate(bert.encoder.layer)]
+    if type(model).__name__ == "BertForQuestionAnswering":
+        span = SpanHead(model.qa_outputs)
+        layers.append(PipeLayer(name="qa_outputs", entry=span, modules=(span,), owners=(model.qa_outputs,)))
+        return LayerList(family=type(model).__name__, layers=tuple(layers), adapter=BertAdapter(model), model=model)
     if not is_mlm:
         head = ClassifierHead(bert.pooler, model.dropout, model.classifier)
         layers.append(PipeLayer(name="bert.pooler+classifier", entry=head, modules=(head,),
