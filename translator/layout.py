@@ -106,6 +106,16 @@ def resolve_layout(config: SMPConfig, layout: Layout | None = None) -> ResolvedL
     )
 
 
+def smallest_world(config: SMPConfig) -> int:
+    """The fewest processes the configuration's degrees fit (one model replica): pipeline x tensor x
+    sharded-data-parallel degree."""
+    params = config.params
+    world = 1
+    for key in ("pipeline_parallel_degree", "tensor_parallel_degree", "sharded_data_parallel_degree"):
+        world *= max(1, int(params.get(key) or 1))
+    return world
+
+
 def params_pointer(config: SMPConfig, key: str) -> str:
     """Pointer of an SMP key in the user's document: where it is, or where it would go."""
     if key in config.pointers:

@@ -130,6 +130,7 @@ def _config(args: argparse.Namespace, env: dict[str, str],
             machine: rules.Machine) -> tuple[list[rules.Finding], dict[str, Any] | None]:
     """Findings about ``--config`` and ``SM_HP_MP_PARAMETERS``, and the planned DeepSpeed config."""
     from smp2ds.translator.issues import SMPConfigError
+    from smp2ds.translator.layout import smallest_world
     from smp2ds.translator.load import load_document
     from smp2ds.translator.normalize import normalize
     from smp2ds.translator.plan_types import Layout
@@ -158,10 +159,7 @@ def _config(args: argparse.Namespace, env: dict[str, str],
                 raise
             # A bare parameter dict: as many ranks as this machine's GPUs hold, in whole multiples of
             # the degrees (at least one model replica).
-            params = config.params or {}
-            least = 1
-            for key in ("pipeline_parallel_degree", "tensor_parallel_degree", "sharded_data_parallel_degree"):
-                least *= int(params.get(key) or 1)
+            least = smallest_world(config)
             nodes = nodes or 1
             world = max(least, machine.gpus * nodes // least * least)
             result = plan(config, Layout(world_size=world, gpus_per_node=machine.gpus or None))

@@ -44,87 +44,61 @@ def validate_command(args: argparse.Namespace) -> int:
 
     source = source_name(args.file)
     layout = layout_from_args(args)
+    warnings: list[str] = []
     try:
         doc = load_document(args.file)
         issues = list(validate(doc, layout))
         if not issues:
-            issues = _refusals(doc, layout)
-        summary = _summary(doc, layout) if not issues else None
+            issues, warnings, summary = _planned(doc, layout)
     except SMPConfigError as err:  # malformed JSON, duplicate keys, or normalize's own checks
         issues = list(err.issues)
-        summary = None
     if issues:
         if args.format == "json":
             write_stdout(report.render_issues_json(issues, source))
         else:
             write_stdout(report.render_issues_text(issues, source))
         return EXIT_INVALID
-    warnings = _warnings(doc, layout)
     if args.format == "json":
         write_stdout(report.dump_json({"source": source, "valid": True, "issues": [], "warnings": warnings,
-                                       **(summary or {})}))
+                                       **summary}))
     else:
-        details = ", ".join(f"{k} {v}" for k, v in (summary or {}).items())
+        details = ", ".join(f"{k} {v}" for k, v in summary.items())
         write_stdout(f"{source}: valid SMP configuration ({details})\n" + "".join(f"  {w}\n" for w in warnings))
     return EXIT_OK
 
 
-def _warnings(doc: Any, layout: Any) -> list[str]:
-    """The plan's warnings for a valid document (layouts that run, but slowly: see ``explain``)."""
-    from smp2ds.translator import normalize, plan
-
-    config = normalize(doc, layout)
-    if _world_unknown(config, layout):
-        return []
-    return [r for r in plan(config, layout).remarks if r.startswith("warning:")]
-
-
-def _refusals(doc: Any, layout: Any) -> list[Any]:
-    """What ``smp.init`` would refuse (keys the plan calls ``unsupported``), so "valid" means it will start. Without
-    a world size the plan is made for the smallest world the degrees allow (:func:`smallest_world`)."""
-    from smp2ds.translator import normalize, plan
-    from smp2ds.translator.issues import SMPConfigError
-
-    try:
-        config = normalize(doc, layout)
-        if _world_unknown(config, layout):
-            layout = _with_world(layout, smallest_world(config))
-        plan(config, layout).raise_if_unsupported()
-    except SMPConfigError as err:
-        return list(err.issues)
-    return []
-
-
-def _world_unknown(config: Any, layout: Any) -> bool:
-    from smp2ds.translator.layout import resolve_layout
-
-    return resolve_layout(config, layout).world_size is None
-
-
-def smallest_world(config: Any) -> int:
-    """The fewest processes the configuration's degrees fit: pipeline x tensor x sharded-data-parallel degree."""
-    params = config.params
-    return (int(params.get("pipeline_parallel_degree", 1)) * int(params.get("tensor_parallel_degree", 1))
-            * max(1, int(params.get("sharded_data_parallel_degree", 1))))
-
-
-def _with_world(layout: Any, world: int) -> Any:
+def _planned(doc: Any, layout: Any) -> tuple[list[Any], list[str], dict[str, Any]]:
+    """Plan the valid document once: what ``smp.init`` would refuse (keys the plan calls ``unsupported``, so
+    "valid" means it will start), the plan's warnings (layouts that run, but slowly: see ``explain``) and the
+    summary. Without a world size the plan is made for the smallest world the degrees allow, and its warnings,
+    which depend on the world, are not given."""
     from dataclasses import replace
 
+    from smp2ds.translator import normalize, plan
+    from smp2ds.translator.issues import SMPConfigError
+    from smp2ds.translator.layout import resolve_layout, smallest_world
     from smp2ds.translator.plan_types import Layout
 
-    return replace(layout, world_size=world) if layout is not None else Layout(world_size=world)
+    config = normalize(doc, layout)  # also re-checks the cross-key rules
+    known = resolve_layout(config, layout).world_size is not None
+    if not known:
+        world = smallest_world(config)
+        layout = replace(layout, world_size=world) if layout is not None else Layout(world_size=world)
+    try:
+        result = plan(config, layout)
+        result.raise_if_unsupported()
+    except SMPConfigError as err:
+        return list(err.issues), [], {}
+    warnings = [r for r in result.remarks if r.startswith("warning:")] if known else []
+    return [], warnings, _summary(config, None if known else smallest_world(config))
 
 
-def _summary(doc: Any, layout: Any) -> dict[str, Any]:
-    """What the valid document is, from `normalize` (which also re-checks the cross-key rules)."""
-    from smp2ds.translator.normalize import normalize
-
-    cfg = normalize(doc, layout)
+def _summary(cfg: Any, smallest: int | None) -> dict[str, Any]:
+    """What the valid document is; ``smallest``: the smallest world its degrees fit, when no world size was given."""
     out: dict[str, Any] = {"kind": cfg.kind, "strategy": cfg.strategy, "smp_version": cfg.smp_version}
-    if _world_unknown(cfg, layout):
+    if smallest is not None:
         out["world_size"] = (f"not given: the world-size rules were not checked (pass --world-size N); the smallest "
-                             f"world these degrees fit is {smallest_world(cfg)}")
+                             f"world these degrees fit is {smallest}")
     if cfg.instance_type:
         out["instance_type"] = cfg.instance_type
     if cfg.instance_count:
