@@ -35,7 +35,13 @@ from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import encoder_names
 from smp2ds.engine.nn.huggingface.families import ENCODER_ARGUMENTS, LM_REPLACEMENTS
-from smp2ds.engine.nn.huggingface.fresh import fresh_value, generator, layer_norm_weights, with_fresh_weights
+from smp2ds.engine.nn.huggingface.fresh import (
+    fill_fresh,
+    fresh_value,
+    generator,
+    layer_norm_weights,
+    with_fresh_weights,
+)
 from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.nn.parallel.group import TPGroup, current
 from smp2ds.engine.nn.parallel.shards import local_part
@@ -170,7 +176,7 @@ def stream_fresh_weights(hf: torch.nn.Module, new: torch.nn.Module, family: Any,
             if _draw_in_place(renamed, like, own, new):
                 (name, _), = renamed.items()
                 if own[name].dtype == torch.float32 and own[name].is_contiguous():
-                    _fresh_into(own[name], key, range_, gen, key in norms)
+                    fill_fresh(own[name], key, range_, gen, key in norms)
                 else:
                     own[name].copy_(fresh_value(key, like, range_, gen, key in norms))
                 filled.add(name)
@@ -203,17 +209,6 @@ def _draw_in_place(renamed: dict[str, Any], like: torch.Tensor, own: dict[str, A
     if value is not like or name not in own or (name == "lm_head.weight" and new.lm_head is None):
         return False
     return tuple(own[name].shape) == tuple(like.shape)
-
-
-def _fresh_into(target: torch.Tensor, key: str, initializer_range: float, gen: torch.Generator,
-                layer_norm: bool) -> None:
-    """:func:`fresh_value`'s numbers written into the fp32 ``target`` in place (the same draws from ``gen``)."""
-    if layer_norm:
-        target.fill_(1.0)
-    elif key.rsplit(".", 1)[-1] == "bias":
-        target.zero_()
-    else:
-        target.normal_(0.0, initializer_range, generator=gen)
 
 
 def head_as_built(new: torch.nn.Module, translated: dict[str, Any]) -> dict[str, Any]:

@@ -166,14 +166,11 @@ def _refuse_model_parallel_for_accelerate(result: Any) -> None:
 
 def _local_paths(args: argparse.Namespace) -> dict[str, Any]:
     """The folders SageMaker's paths map to (absolute), from --output-dir, --checkpoint-dir and --channel."""
-    channels = {}
-    for item in args.channel:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise UsageError(f"--channel expects NAME=PATH, got {item!r}")
-        channels[name] = os.path.abspath(path)
+    from .launch import parse_channels
+
     return {"output_dir": args.output_dir and os.path.abspath(args.output_dir),
-            "checkpoint_dir": args.checkpoint_dir and os.path.abspath(args.checkpoint_dir), "channels": channels}
+            "checkpoint_dir": args.checkpoint_dir and os.path.abspath(args.checkpoint_dir),
+            "channels": parse_channels(args.channel)}
 
 
 def render_launch(result: Any, target: str, fmt: str, entry_point: str | None, config: Any,

@@ -192,7 +192,7 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
             "mpirun across nodes needs ssh between hosts; use --launcher torchrun or deepspeed, "
             "started once per node with --node-rank"
         )
-    channels = _parse_channels(args.channel)
+    channels = parse_channels(args.channel)
 
     gpus = detect_gpus()
     config, planned, nproc = _plan(args, doc, gpus)
@@ -315,7 +315,8 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _parse_channels(items: list[str]) -> dict[str, str]:
+def parse_channels(items: list[str]) -> dict[str, str]:
+    """``--channel NAME=PATH`` values -> channel name -> absolute path (a malformed one is a usage error)."""
     channels: dict[str, str] = {}
     for item in items:
         name, sep, path = item.partition("=")

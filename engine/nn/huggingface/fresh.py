@@ -73,16 +73,25 @@ def layer_norm_weights(model: torch.nn.Module) -> set[str]:
             if isinstance(m, torch.nn.LayerNorm) or type(m).__name__.endswith(("LayerNorm", "RMSNorm"))}
 
 
+def fill_fresh(target: torch.Tensor, key: str, initializer_range: float, gen: torch.Generator,
+               layer_norm: bool) -> None:
+    """Write parameter ``key``'s fresh value into ``target`` in place: ones for a layer norm's weight, zeros for a
+    bias, N(0, ``initializer_range``) drawn from ``gen`` otherwise (the same numbers for any contiguous fp32
+    CPU ``target`` of the shape)."""
+    if layer_norm:
+        target.fill_(1.0)
+    elif key.rsplit(".", 1)[-1] == "bias":
+        target.zero_()
+    else:
+        target.normal_(0.0, initializer_range, generator=gen)
+
+
 def fresh_value(key: str, like: torch.Tensor, initializer_range: float, gen: torch.Generator,
                 layer_norm: bool) -> torch.Tensor:
     """A fresh full tensor for parameter ``key`` shaped and typed like ``like`` (on the CPU when ``like`` is on the
     meta device)."""
-    if layer_norm:
-        value = torch.ones(like.shape)
-    elif key.rsplit(".", 1)[-1] == "bias":
-        value = torch.zeros(like.shape)
-    else:  # drawn in fp32 on the CPU: the same numbers whatever the model's dtype and device
-        value = torch.empty(like.shape).normal_(0.0, initializer_range, generator=gen)
+    value = torch.empty(like.shape)  # drawn in fp32 on the CPU: the same numbers whatever the model's dtype and device
+    fill_fresh(value, key, initializer_range, gen, layer_norm)
     return value.to(device=None if like.is_meta else like.device, dtype=like.dtype)
 
 
