@@ -106,26 +106,16 @@ class ClassifierHead(nn.Module):
         return self.classifier(self.dropout(self.pooler(inputs[0])))
 
 
-class SpanHead(nn.Module):
-    """``qa_outputs`` on every token's hidden state (two channels: span start and end); drops the mask."""
+class OnHidden(nn.Module):
+    """A head module applied to every token's hidden state, dropping the mask: ``cls.predictions.transform``
+    (dense, activation, LayerNorm) or ``qa_outputs`` (two channels: span start and end)."""
 
-    def __init__(self, qa_outputs: nn.Module):
+    def __init__(self, head: nn.Module):
         super().__init__()
-        self.qa_outputs = qa_outputs
+        self.head = head
 
     def forward(self, inputs: tuple) -> torch.Tensor:
-        return self.qa_outputs(inputs[0])
-
-
-class Transform(nn.Module):
-    """``cls.predictions.transform`` (dense, activation, LayerNorm); drops the mask."""
-
-    def __init__(self, transform: nn.Module):
-        super().__init__()
-        self.transform = transform
-
-    def forward(self, inputs: tuple) -> torch.Tensor:
-        return self.transform(inputs[0])
+        return self.head(inputs[0])
 
 
 def _tied_decoder(shared: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -230,7 +220,7 @@ def build(model: nn.Module) -> LayerList:
     layers += [PipeLayer(name=f"bert.encoder.layer.{i}", entry=Layer(layer, config), modules=(layer,),
                          owners=(layer,)) for i, layer in enumerate(bert.encoder.layer)]
     if type(model).__name__ == "BertForQuestionAnswering":
-        span = SpanHead(model.qa_outputs)
+        span = OnHidden(model.qa_outputs)
         layers.append(PipeLayer(name="qa_outputs", entry=span, modules=(span,), owners=(model.qa_outputs,)))
         return LayerList(family=type(model).__name__, layers=tuple(layers), adapter=BertAdapter(model), model=model)
     if not is_mlm:
@@ -239,7 +229,7 @@ def build(model: nn.Module) -> LayerList:
                                 owners=(bert.pooler, model.classifier)))
         return LayerList(family=type(model).__name__, layers=tuple(layers), adapter=BertAdapter(model), model=model)
     pred = model.cls.predictions
-    layers.append(PipeLayer(name="cls.predictions.transform", entry=Transform(pred.transform),
+    layers.append(PipeLayer(name="cls.predictions.transform", entry=OnHidden(pred.transform),
                             modules=(pred.transform,), owners=(pred.transform,)))
     if is_tied:
         bias = DecoderBias(decoder.bias)
