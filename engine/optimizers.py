@@ -78,10 +78,13 @@ def whole_tensor_norms(param: torch.Tensor, *tensors: torch.Tensor) -> list[floa
 
 def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of the whole model's gradient (see the module docstring)."""
-    total = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        if p.grad is not None and _counts_here(p):
-            total = total + p.grad.detach().float().square().sum().cpu()
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None and _counts_here(p)]
+    # on the parameters' device: the model-parallel all-reduce runs there (NCCL takes no CPU tensors)
+    device = params[0].device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        total = total + g.detach().float().square().sum()
     return _model_parallel_sum(total).sqrt()
 
 
@@ -181,10 +184,10 @@ class FusedNovoGrad(torch.optim.Optimizer):
                     continue
                 g, w = p.grad.float(), p.float()
                 st = self.state[p]
-                norm = torch.tensor(whole_tensor_norms(p, g)[0])
+                norm = torch.tensor(whole_tensor_norms(p, g)[0], device=g.device)
                 if not st:
                     st["exp_avg"] = torch.zeros_like(w)
-                    st["exp_avg_sq"] = torch.zeros((), dtype=torch.float32) if group["init_zero"] else norm.clone()
+                    st["exp_avg_sq"] = torch.zeros((), device=g.device) if group["init_zero"] else norm.clone()
                 v = st["exp_avg_sq"]
                 v.copy_((beta2 * v.square() + (1 - beta2) * norm.square()).sqrt())
                 update = g / (v / c2 + group["eps"])

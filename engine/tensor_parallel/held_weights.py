@@ -43,9 +43,11 @@ def hf_marks(root: torch.nn.Module) -> dict[int, bool]:
     """``id(parameter)`` -> whether transformers loaded or initialised it, for every parameter inside a Hugging
     Face model under ``root`` (parameters outside any are absent)."""
     marks: dict[int, bool] = {}
+    covered: set[int] = set()  # modules of an outer Hugging Face model (BertForMaskedLM holds a BertModel)
     for module in root.modules():
-        if not is_hf_model(module):
+        if id(module) in covered or not is_hf_model(module):
             continue
+        covered.update(id(m) for m in module.modules())
         flags = initialised(module)
         for prefix, owner in module.named_modules(remove_duplicate=False):
             for name, param in owner._parameters.items():
