@@ -11,7 +11,8 @@ pipeline sends only tensors between stages. Floating-point tensors crossing a st
 must carry gradients; masks cross as integer tensors.
 
 Named families (`build_layer_list`): ``nn.Sequential``; Hugging Face ``GPT2LMHeadModel``,
-``BertForSequenceClassification``, ``BertForQuestionAnswering``, ``BertForMaskedLM``; any other
+``BertForSequenceClassification``, ``BertForQuestionAnswering``, ``BertForMaskedLM``, RoBERTa's three
+equivalents, ``OPTForCausalLM``, ``BloomForCausalLM``; any other
 ``*ForCausalLM`` (LLaMA, Mistral, Qwen, ...) cut by its decoder structure (``families/hf_decoder``). Any other module
 goes through the traced family (``families/traced``: ``torch.fx`` symbolic tracing, cut between
 ``torch.nn`` leaf modules), which refuses a model only when tracing or cutting fails.
@@ -30,8 +31,10 @@ from torch import nn
 from smp2ds.engine.exceptions import SMPUnsupportedError
 
 SUPPORTED = ("torch.nn.Sequential", "transformers GPT2LMHeadModel", "transformers BertForSequenceClassification",
-             "transformers BertForQuestionAnswering", "transformers BertForMaskedLM", "transformers LlamaForCausalLM",
-             "smp.nn.DistributedTransformerLMHead",
+             "transformers BertForQuestionAnswering", "transformers BertForMaskedLM",
+             "transformers RobertaForSequenceClassification", "transformers RobertaForQuestionAnswering",
+             "transformers RobertaForMaskedLM", "transformers LlamaForCausalLM", "transformers OPTForCausalLM",
+             "transformers BloomForCausalLM", "smp.nn.DistributedTransformerLMHead",
              "other transformers *ForCausalLM decoders (embedding, ModuleList of blocks, final norm, head)")
 
 

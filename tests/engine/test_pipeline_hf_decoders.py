@@ -42,6 +42,24 @@ FAMILIES = {
     "phi3": ("Phi3ForCausalLM", "Phi3Config", {"resid_pdrop": 0.0, "embd_pdrop": 0.0}),
     "stablelm": ("StableLmForCausalLM", "StableLmConfig", {"num_key_value_heads": 4, "hidden_dropout": 0.0}),
     "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {"num_key_value_heads": 2}),
+    # base model "model.decoder": learned positions from the padding mask (offset 2), pre-norm, final_layer_norm
+    "opt": ("OPTForCausalLM", "OPTConfig", {"ffn_dim": 64, "word_embed_proj_dim": 32, "dropout": 0.0,
+                                            "attention_dropout": 0.0}),
+    # narrower embeddings (project_in / project_out around the blocks), post-norm blocks, no final_layer_norm
+    "opt_proj": ("OPTForCausalLM", "OPTConfig", {"ffn_dim": 64, "word_embed_proj_dim": 16, "dropout": 0.0,
+                                                 "attention_dropout": 0.0, "do_layer_norm_before": False}),
+    # no positions: ALiBi biases from the padding mask, rebuilt on each stage; embedding LayerNorm; tied head
+    "bloom": ("BloomForCausalLM", "BloomConfig", {"n_head": 4, "hidden_dropout": 0.0, "attention_dropout": 0.0}),
+    # logits soft-capped (a cap small enough to bend these tiny logits), attention soft-capping, sliding and full
+    # layers; the embedding scaled by sqrt(hidden) (in its module on 5.x, in the forward on 4.x)
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", {"num_key_value_heads": 2, "head_dim": 8, "sliding_window": 4,
+                                                      "final_logit_softcapping": 0.2}),
+    # embeddings multiplied and logits divided in the forward; residual and attention multipliers in the blocks
+    "granite": ("GraniteForCausalLM", "GraniteConfig", {"num_key_value_heads": 2, "embedding_multiplier": 2.0,
+                                                        "logits_scaling": 4.0, "residual_multiplier": 0.5,
+                                                        "attention_multiplier": 0.25}),
+    # logits multiplied by logit_scale in the forward, tied head, parallel attention and MLP
+    "cohere": ("CohereForCausalLM", "CohereConfig", {"num_key_value_heads": 2, "logit_scale": 0.5}),
 }
 
 
@@ -67,13 +85,9 @@ def padded_batch(seed: int = 3, rows: int = 3) -> tuple[torch.Tensor, torch.Tens
 # ---- the cut reproduces each family exactly -------------------------------------------------------
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_structural_cut_reproduces_logits_loss_and_gradients_exactly(family):
+    # Gemma/Gemma2 on 4.57 scale a plain embedding by sqrt(hidden) in the forward (5.x in the embedding module):
+    # the cut adds that scaling as a layer of its own
     model = make_decoder(family).train()  # dropout is 0: training mode, as the pipeline runs it
-    if family == "gemma" and not is_transformers_5():
-        # 4.57's GemmaModel.forward scales the embeddings by sqrt(hidden) outside any module (5.x's embedding
-        # module does it): the probe sees the difference and the cut is refused instead of training wrongly
-        with pytest.raises(UnsupportedModelError, match=r"GemmaForCausalLM.*logits differ from embeddings"):
-            build_layer_list(model)
-        return
     layer_list = build_layer_list(model)
     assert layer_list.family == FAMILIES[family][0]
     ids, mask = padded_batch()
@@ -110,6 +124,56 @@ def test_layer_names_follow_the_module_tree_and_tied_heads_share_one_key():
     assert [layer.entry.attention_type for layer in qwen2.layers[1:5]] == [
         "full_attention", "full_attention", "sliding_attention", "sliding_attention"]
     assert not any(isinstance(layer.entry, TiedLayerSpec) for layer in qwen2.layers)
+    granite = build_layer_list(make_decoder("granite"))  # the forward's scalings: a layer, and the head's ops
+    assert granite.names[:2] == ["model.embed_tokens", "model.embed_tokens.scale"]
+    assert granite.layers[1].entry.ops == (("mul", 2.0),) and granite.layers[-1].entry.ops == (("div", 4.0),)
+
+
+def test_opt_layers_hold_positions_projections_and_the_optional_final_norm():
+    from deepspeed.pipe import TiedLayerSpec
+
+    blocks = [f"model.decoder.layers.{i}" for i in range(4)]
+    opt = build_layer_list(make_decoder("opt"))
+    assert opt.family == "OPTForCausalLM"
+    assert opt.names == ["model.decoder.embed_tokens", "model.decoder.embed_positions", *blocks,
+                         "model.decoder.final_layer_norm", "lm_head"]
+    ends = [opt.layers[0].entry, opt.layers[-1].entry]
+    assert all(isinstance(e, TiedLayerSpec) for e in ends) and ends[0].key == ends[1].key
+    proj_model = make_decoder("opt_proj")
+    proj = build_layer_list(proj_model)
+    assert proj.names == ["model.decoder.embed_tokens", "model.decoder.embed_positions", *blocks,
+                          "model.decoder.project_out", "lm_head"]
+    decoder = proj_model.model.decoder
+    assert proj.layers[1].entry.project_in is decoder.project_in and proj.layers[-2].entry.norm is None
+    # every parameter is held by exactly one layer (the tied pair by both ends)
+    held = {id(p) for layer in proj.layers for m in layer.modules for p in m.parameters()}
+    assert held == {id(p) for p in proj_model.parameters()}
+
+
+def test_bloom_layers_and_alibi_rebuilt_from_each_stages_mask():
+    model = make_decoder("bloom")
+    bloom = build_layer_list(model)
+    assert bloom.family == "BloomForCausalLM"
+    assert bloom.names == ["transformer.word_embeddings", "transformer.word_embeddings_layernorm",
+                           *[f"transformer.h.{i}" for i in range(4)], "transformer.ln_f", "lm_head"]
+    ids, mask = padded_batch()
+    hidden = torch.randn(ids.shape[0], SEQ, 32)
+    block = bloom.layers[2].entry
+    with torch.no_grad():  # each block builds its ALiBi positions and causal mask from the mask it is given
+        assert not torch.equal(block((hidden, mask))[0], block((hidden, torch.ones_like(mask)))[0])
+
+
+def test_opt_positions_follow_the_padding_mask_with_offset_two():
+    from smp2ds.engine.pipeline.families.opt import opt_positions
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1]])
+    assert opt_positions(mask).tolist() == [[0, 1, 2, -1, -1], [-1, -1, 0, 1, 2]]  # looked up at +2
+
+
+def test_opt_with_layerdrop_is_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match=r"modeling_opt\.OPTForCausalLM: config\.layerdrop=0\.1 skips "
+                                                     "blocks at random"):
+        build_layer_list(make_decoder("opt", layerdrop=0.1))
 
 
 def test_stage_inputs_are_built_once_per_micro_batch_and_rebuilt_for_a_new_one():
@@ -174,15 +238,9 @@ def _scaled_logits_model() -> nn.Module:
 
 
 def _refused(name: str) -> nn.Module:
-    import transformers
 
-    small = {k: _COMMON[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")}
-    if name == "opt":
-        return transformers.OPTForCausalLM(transformers.OPTConfig(ffn_dim=64, word_embed_proj_dim=32, **small))
-    if name == "granite":
-        return transformers.GraniteForCausalLM(transformers.GraniteConfig(embedding_multiplier=2.0, **small))
-    if name == "gemma2":
-        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(head_dim=8, **small))
+    if name == "scale_emb":  # MiniCPM's setting (remote code): the cut does not scale its embeddings or logits
+        return make_decoder("qwen3", scale_emb=12.0)
     if name == "falcon_alibi":
         return make_decoder("falcon", alibi=True)
     if name == "cross_attention":
@@ -194,9 +252,7 @@ def _refused(name: str) -> nn.Module:
 
 
 REFUSALS = {
-    "opt": ("OPTForCausalLM", "its base model's child 'decoder' (OPTDecoder) is not a token embedding"),
-    "granite": ("GraniteForCausalLM", "config.embedding_multiplier=2.0 changes embeddings or logits outside"),
-    "gemma2": ("Gemma2ForCausalLM", "config.final_logit_softcapping=30.0 changes embeddings or logits outside"),
+    "scale_emb": ("Qwen3ForCausalLM", "config.scale_emb=12.0 changes embeddings or logits outside the blocks"),
     "falcon_alibi": ("FalconForCausalLM", "config.alibi=True needs ALiBi biases built per call"),
     "cross_attention": ("Qwen3ForCausalLM", "it has cross attention"),
     "layer_types": ("Qwen3ForCausalLM", "config.layer_types has ['chunked_attention']; the structural cut builds"),
@@ -231,8 +287,9 @@ def test_models_the_fx_path_serves_are_still_traced():
     assert build_layer_list(TwoLayers()).family == "torch.fx traced"
 
 
-def test_explain_splits_a_structural_decoder_config_as_the_engine_does_and_refuses_opt():
-    """``smp2ds explain --model``: the split of a meta-device Qwen3 equals the real model's; OPT says why not."""
+def test_explain_splits_a_structural_decoder_config_as_the_engine_does_and_refuses_alibi_falcon():
+    """``smp2ds explain --model``: the split of a meta-device Qwen3 (and OPT) equals the real model's; a Falcon
+    with ALiBi says why not."""
     from smp2ds.engine.pipeline import plan_partition
     from smp2ds.engine.pipeline.explain import split_for_model_config
 
@@ -242,8 +299,11 @@ def test_explain_splits_a_structural_decoder_config_as_the_engine_does_and_refus
     expected = plan_partition(build_layer_list(real), 2, memory_weight=0.3)
     assert split.plan.parts == expected.parts and split.plan.stages[0].layers[0] == "model.embed_tokens"
     assert split.n_params == sum(p.numel() for p in real.parameters())
-    opt = {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 32, "ffn_dim": 64,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "word_embed_proj_dim": 32, "vocab_size": VOCAB}
-    with pytest.raises(ValueError, match="'OPTForCausalLM' has no pipeline layer list: .*its base model's child "
-                                         "'decoder' \\(OPTDecoder\\)"):
-        split_for_model_config(opt, {"pipeline_parallel_degree": 2})
+    opt = make_decoder("opt")
+    opt_split = split_for_model_config({**opt.config.to_dict(), "architectures": ["OPTForCausalLM"]},
+                                       {"pipeline_parallel_degree": 2})
+    assert opt_split.plan.parts == plan_partition(build_layer_list(opt), 2).parts
+    falcon = {"model_type": "falcon", "architectures": ["FalconForCausalLM"], "hidden_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "vocab_size": VOCAB, "alibi": True}
+    with pytest.raises(ValueError, match="'FalconForCausalLM' has no pipeline layer list: .*config.alibi=True"):
+        split_for_model_config(falcon, {"pipeline_parallel_degree": 2})

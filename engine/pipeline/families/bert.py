@@ -59,13 +59,16 @@ class Embeddings(nn.Module):
         return self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids), mask
 
 
-def _word_embedding(shared: nn.Module, inputs: tuple) -> tuple:
-    input_ids, mask, token_type_ids = inputs
-    return shared.module(input_ids), mask, token_type_ids
+def word_embedding(shared: nn.Module, inputs: tuple) -> tuple:
+    """The tied word lookup of the first stage; the other inputs (mask, token types, positions) pass through."""
+    input_ids, *others = inputs
+    return (shared.module(input_ids), *others)
 
 
 class EmbeddingRest(nn.Module):
-    """``BertEmbeddings`` after the word lookup: + token type, + position, LayerNorm, dropout."""
+    """``BertEmbeddings`` (or ``RobertaEmbeddings``) after the word lookup: + token type, + position, LayerNorm,
+    dropout. Position ids come with the inputs when the family computes them from the tokens (RoBERTa), else
+    they count from 0."""
 
     def __init__(self, embeddings: nn.Module):
         super().__init__()
@@ -75,10 +78,11 @@ class EmbeddingRest(nn.Module):
         self.dropout = embeddings.dropout
 
     def forward(self, inputs: tuple) -> tuple:
-        embeds, mask, token_type_ids = inputs
-        # Same additions in the same order as BertEmbeddings.forward (float sums are order-sensitive).
+        embeds, mask, token_type_ids, *given = inputs
+        position_ids = given[0] if given else positions(embeds)
+        # Same additions in the same order as the embeddings' forward (float sums are order-sensitive).
         hidden = embeds + self.token_type_embeddings(token_type_ids)
-        hidden = hidden + self.position_embeddings(positions(embeds))
+        hidden = hidden + self.position_embeddings(position_ids)
         return self.dropout(self.LayerNorm(hidden)), mask
 
 
@@ -152,7 +156,8 @@ class BertAdapter:
         bound = bind_call(self.model, args, kwargs)
         check_call(self.model, bound, SUPPORTED_ARGS)
         labels = bound.get("labels")
-        if type(self.model).__name__ == "BertForMaskedLM":
+        head = type(self.model).__name__  # BERT's or RoBERTa's (same heads, same losses)
+        if head.endswith("ForMaskedLM"):
             from transformers.modeling_outputs import MaskedLMOutput
 
             loss = None
@@ -160,7 +165,7 @@ class BertAdapter:
                 loss = F.cross_entropy(logits.view(-1, self.model.config.vocab_size),
                                        labels.to(logits.device).view(-1))
             return finish(MaskedLMOutput(loss=loss, logits=logits), bound, self.model.config)
-        if type(self.model).__name__ == "BertForQuestionAnswering":
+        if head.endswith("ForQuestionAnswering"):
             return finish(_span_output(logits, bound), bound, self.model.config)
         from transformers.modeling_outputs import SequenceClassifierOutput
 
@@ -212,7 +217,7 @@ def build(model: nn.Module) -> LayerList:
     if is_tied:
         rest = EmbeddingRest(emb)
         layers.append(PipeLayer(name="bert.embeddings.word_embeddings",
-                                entry=tied("bert_word_embeddings", emb.word_embeddings, _word_embedding),
+                                entry=tied("bert_word_embeddings", emb.word_embeddings, word_embedding),
                                 modules=(emb.word_embeddings,), owners=(emb.word_embeddings,)))
         layers.append(PipeLayer(name="bert.embeddings", entry=rest, modules=(rest,), owners=(emb,)))
     else:

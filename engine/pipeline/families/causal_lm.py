@@ -32,6 +32,34 @@ def tied_head(shared: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, shared.module.weight)
 
 
+Ops = tuple[tuple[str, float], ...]
+
+
+def apply_ops(x: torch.Tensor, ops: Ops) -> torch.Tensor:
+    """Scalings a model's ``forward`` applies outside its modules, in order (see ``OutsideOps``).
+
+    ``mul`` / ``div`` by a Python number, ``mul_tensor`` by a 0-d tensor of ``x``'s dtype,
+    ``softcap``: ``tanh(x / cap) * cap``; each spelled as the models spell it, so results match.
+    """
+    for kind, value in ops:
+        if kind == "mul":
+            x = x * value
+        elif kind == "div":
+            x = x / value
+        elif kind == "mul_tensor":
+            x = x * torch.tensor(value, dtype=x.dtype)
+        elif kind == "softcap":
+            x = torch.tanh(x / value) * value
+        else:
+            raise ValueError(f"unknown op {kind!r}")
+    return x
+
+
+def scaled_tied_head(ops: Ops, shared: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """`tied_head` followed by the model's logit scaling (bind ``ops`` with `functools.partial`)."""
+    return apply_ops(F.linear(hidden, shared.module.weight), ops)
+
+
 class TokenEmbedding(nn.Module):
     """Token lookup when the head is not tied."""
 
@@ -58,12 +86,13 @@ class FinalNorm(nn.Module):
 class Head(nn.Module):
     """An untied output projection (``lm_head``; BERT-MLM's ``decoder`` uses it too)."""
 
-    def __init__(self, lm_head: nn.Linear):
+    def __init__(self, lm_head: nn.Linear, ops: Ops = ()):
         super().__init__()
         self.lm_head = lm_head
+        self.ops = ops  # logit scaling after the projection (Granite, Cohere, Gemma 2)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return apply_ops(self.lm_head(hidden), self.ops)
 
 
 class CausalLMAdapter:

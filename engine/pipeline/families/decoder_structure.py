@@ -7,6 +7,11 @@ norm; then an output projection. `find_structure` names those parts or says, in 
 model is not of that shape (a `NotADecoder` reason), so the caller can refuse it by name.
 Nothing here is per family: names come from ``get_input_embeddings`` /
 ``get_output_embeddings`` / ``base_model_prefix`` and from the module types.
+
+What a model's ``forward`` does to the embeddings or the logits outside any module is read from
+its config (`OutsideOps`): Granite's ``embedding_multiplier`` and ``logits_scaling``, Cohere's
+``logit_scale``, Gemma 2's ``final_logit_softcapping`` and, on transformers 4.x, Gemma's scaling
+of a plain embedding by sqrt(hidden). The probe checks the result against the model's forward.
 """
 
 from __future__ import annotations
@@ -20,14 +25,13 @@ from torch import nn
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 """``config.layer_types`` values whose masks are built (``create_causal_mask`` / sliding window)."""
 
-# Config settings applied outside the blocks that the structure does not show (value = neutral).
+# Config settings applied outside the blocks that the cut does not reproduce (value = neutral).
 _OUTSIDE_BLOCKS: dict[str, Any] = {
-    "final_logit_softcapping": None,  # Gemma 2/3: tanh cap on the logits
-    "logits_scaling": 1.0,  # Granite: logits divided by it
-    "logit_scale": 1.0,  # Cohere: logits multiplied by it
-    "embedding_multiplier": 1.0,  # Granite: embeddings multiplied by it
-    "scale_emb": 1.0,  # MiniCPM: embeddings multiplied by it
+    "scale_emb": 1.0,  # MiniCPM (remote code): embeddings multiplied by it, logits scaled by a width ratio
 }
+# transformers 4.x ``GemmaModel`` / ``Gemma2Model`` multiply a plain ``nn.Embedding``'s output by
+# sqrt(hidden_size) in ``forward``; 5.x moved that into a ``*ScaledWordEmbedding`` module.
+_EMBEDDING_NORMALIZED = ("gemma", "gemma2")
 # Block arguments the layer wrapper supplies (anything else without a default is refused).
 _SUPPLIED = ("attention_mask", "position_ids", "position_embeddings", "alibi", "use_cache", "cache",
              "past_key_values", "layer_past", "output_attentions")
@@ -35,6 +39,20 @@ _SUPPLIED = ("attention_mask", "position_ids", "position_embeddings", "alibi", "
 
 class NotADecoder(Exception):
     """The model is not embeddings -> blocks -> final norm -> head; the message says what differs."""
+
+
+@dataclass(frozen=True)
+class OutsideOps:
+    """What the model's ``forward`` does outside its modules, each op as ``(kind, value)``, in order.
+
+    ``embed``: ``("mul", x)`` multiplies the token embeddings by the Python number ``x``;
+    ``("mul_tensor", x)`` by ``torch.tensor(x)`` in the embeddings' dtype (Gemma on 4.x).
+    ``logits``: ``("mul", x)``, ``("div", x)`` or ``("softcap", x)`` (``tanh(logits / x) * x``).
+    The ops and their order are those of the models' own ``forward``, so float results match.
+    """
+
+    embed: tuple[tuple[str, float], ...] = ()
+    logits: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,6 +76,8 @@ class DecoderStructure:
     """Per block: ``full_attention`` or ``sliding_attention``."""
     block_args: frozenset[str]
     """Keyword arguments the blocks' ``forward`` accepts among those the wrapper can supply."""
+    outside: OutsideOps = OutsideOps()
+    """Scalings of the embeddings and the logits the model's forward applies between its parts."""
 
     @property
     def tied(self) -> bool:
@@ -80,6 +100,7 @@ def find_structure(model: nn.Module) -> DecoderStructure:
         value = getattr(config, name, neutral)
         if value is not None and value != neutral:
             raise NotADecoder(f"config.{name}={value!r} changes embeddings or logits outside the blocks")
+    outside = outside_ops(model)
     if getattr(config, "alibi", False):
         raise NotADecoder("config.alibi=True needs ALiBi biases built per call, which the structural cut does not")
     head_name, head, base_path, base = _head_and_base(model)
@@ -91,7 +112,30 @@ def find_structure(model: nn.Module) -> DecoderStructure:
         rotary=parts.get("rotary", (None, None))[1],
         blocks_name=parts["blocks"][0], blocks=blocks, norm_name=parts["norm"][0], norm=parts["norm"][1],
         head_name=head_name, head=head, attention_types=_attention_types(config, len(blocks)),
-        block_args=_block_args(blocks, has_rotary="rotary" in parts))
+        block_args=_block_args(blocks, has_rotary="rotary" in parts), outside=outside)
+
+
+def outside_ops(model: nn.Module) -> OutsideOps:
+    """The scalings ``model.forward`` applies to the embeddings and logits, read from its config."""
+    config = model.config
+    embed: list[tuple[str, float]] = []
+    if getattr(config, "model_type", None) in _EMBEDDING_NORMALIZED and \
+            type(model.base_model.get_input_embeddings()) is nn.Embedding:
+        embed.append(("mul_tensor", config.hidden_size ** 0.5))
+    multiplier = getattr(config, "embedding_multiplier", 1.0)  # Granite
+    if multiplier is not None and multiplier != 1.0:
+        embed.append(("mul", multiplier))
+    logits: list[tuple[str, float]] = []
+    scaling = getattr(config, "logits_scaling", 1.0)  # Granite: divides
+    if scaling is not None and scaling != 1.0:
+        logits.append(("div", scaling))
+    scale = getattr(config, "logit_scale", 1.0)  # Cohere: multiplies
+    if scale is not None and scale != 1.0:
+        logits.append(("mul", scale))
+    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2/3
+    if cap:
+        logits.append(("softcap", cap))
+    return OutsideOps(embed=tuple(embed), logits=tuple(logits))
 
 
 def _head_and_base(model: nn.Module) -> tuple[str, nn.Linear, str, nn.Module]:

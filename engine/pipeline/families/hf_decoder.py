@@ -1,7 +1,8 @@
 """Any Hugging Face decoder-only causal LM as pipeline layers, cut by its structure.
 
-Layers: token embedding (+ embedding dropout) -> each block of the base model's ``ModuleList``
--> final norm -> output projection (a `TiedLayerSpec` pair with the embedding when tied), found
+Layers: token embedding (+ the forward's embedding scaling, + embedding dropout) -> each block
+of the base model's ``ModuleList`` -> final norm -> output projection (+ the forward's logit
+scaling or soft-capping, `decoder_structure.OutsideOps`) (a `TiedLayerSpec` pair with the embedding when tied), found
 by `decoder_structure.find_structure` from the module tree and the config, not from a per-family
 list. Tensors between stages: ``(hidden_states, attention_mask)``, the mask as integers. What the
 base model's ``forward`` prepares once before its block loop (position ids, the causal or
@@ -18,6 +19,7 @@ by name (`NotADecoder`), as is a model whose structure does not fit; `build` the
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,7 +31,10 @@ from smp2ds.engine.pipeline.families.causal_lm import (
     CausalLMAdapter,
     FinalNorm,
     Head,
+    Ops,
     TokenEmbedding,
+    apply_ops,
+    scaled_tied_head,
     tied_head,
     tied_token_embedding,
 )
@@ -75,6 +80,18 @@ class StageInputs:
         return self._value
 
 
+class EmbeddingScale(nn.Module):
+    """What the base model's forward multiplies the token embeddings by (Granite, Gemma on 4.x)."""
+
+    def __init__(self, ops: Ops):
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, inputs: tuple) -> tuple:
+        hidden, mask = inputs
+        return apply_ops(hidden, self.ops), mask
+
+
 class EmbeddingDropout(nn.Module):
     """The base model's dropout on the token embeddings (Phi, GPT-NeoX)."""
 
@@ -116,6 +133,10 @@ def layer_list(model: nn.Module, parts: DecoderStructure) -> LayerList:
     key = f"{type(model).__name__}_{parts.embed_name}"
     first = tied(key, embed, tied_token_embedding) if parts.tied else TokenEmbedding(embed)
     layers = [PipeLayer(name=f"{base}.{parts.embed_name}", entry=first, modules=(embed,), owners=(embed,))]
+    if parts.outside.embed:
+        scale = EmbeddingScale(parts.outside.embed)
+        layers.append(PipeLayer(name=f"{base}.{parts.embed_name}.scale", entry=scale, modules=(scale,),
+                                owners=(embed,)))
     if parts.dropout is not None:
         drop = EmbeddingDropout(parts.dropout)
         layers.append(PipeLayer(name=f"{base}.{parts.dropout_name}", entry=drop, modules=(drop,), owners=(embed,)))
@@ -128,9 +149,13 @@ def layer_list(model: nn.Module, parts: DecoderStructure) -> LayerList:
     ]
     layers.append(PipeLayer(name=f"{base}.{parts.norm_name}", entry=FinalNorm(parts.norm), modules=(parts.norm,),
                             owners=(parts.norm,)))
-    layers.append(PipeLayer(name=parts.head_name, entry=tied(key, embed, tied_head) if parts.tied else Head(head),
-                            modules=(embed,) if parts.tied else (head,), owners=(head,),
-                            compute=2.0 * head.weight.numel()))
+    ops = parts.outside.logits
+    if parts.tied:
+        last = tied(key, embed, partial(scaled_tied_head, ops) if ops else tied_head)
+    else:
+        last = Head(head, ops)
+    layers.append(PipeLayer(name=parts.head_name, entry=last, modules=(embed,) if parts.tied else (head,),
+                            owners=(head,), compute=2.0 * head.weight.numel()))
     return LayerList(family=type(model).__name__, layers=tuple(layers),
                      adapter=CausalLMAdapter(model, CausalLMOutputWithPast), model=model)
 

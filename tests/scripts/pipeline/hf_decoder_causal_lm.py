@@ -3,8 +3,8 @@
 As SMP's GPT example: ``smp.init()``, ``AutoModelForCausalLM.from_config`` (a tiny Qwen3 config:
 no downloads), ``smp.DistributedModel``, ``smp.DistributedOptimizer`` around AdamW, an
 ``@smp.step`` that returns ``model(..., labels=input_ids)["loss"]`` after ``model.backward``.
-Before that it wraps an ``OPTForCausalLM`` (learned positions computed from the attention mask:
-not cut by structure) and records the refusal ``smp.DistributedModel`` raises. Writes
+Before that it wraps a ``FalconForCausalLM`` with ``alibi=True`` (ALiBi biases built per call: not
+cut by structure) and records the refusal ``smp.DistributedModel`` raises. Writes
 ``rank<N>.json`` into ``$SMP2DS_SCRIPT_OUT``.
 """
 
@@ -15,7 +15,7 @@ import json
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, OPTConfig, OPTForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, FalconConfig, FalconForCausalLM, Qwen3Config
 
 import smdistributed.modelparallel.torch as smp
 from smdistributed.modelparallel.torch.exceptions import SMPUnsupportedError
@@ -53,10 +53,10 @@ def train_step(model, input_ids, attention_mask):
 
 def refusal() -> str:
     """What ``smp.DistributedModel`` says about a model the structural cut cannot follow."""
-    opt = OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                                   num_attention_heads=4, word_embed_proj_dim=32))
+    falcon = FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=4, alibi=True))
     try:
-        smp.DistributedModel(opt)
+        smp.DistributedModel(falcon)
     except SMPUnsupportedError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "accepted"
