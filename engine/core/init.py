@@ -14,6 +14,7 @@ environment) cannot leave the others waiting at a later collective.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import logging
 import os
@@ -244,6 +245,10 @@ def shutdown() -> None:
 
     def destroy() -> None:
         if state.initialized:
+            # Collect unreachable objects first: a collective's work handle still held by a dead
+            # reference cycle would otherwise be freed during interpreter teardown, after its
+            # process group's threads, which can abort the process at exit.
+            gc.collect()
             try:
                 comm.destroy()
             except Exception:  # noqa: BLE001 - at exit; peers may be gone already

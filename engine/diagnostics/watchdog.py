@@ -89,7 +89,7 @@ class Watchdog:
         """Stop heartbeating without marking this rank finished."""
         self._stop.set()
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=30)  # a tick is milliseconds; a stuck store call times out
 
     def _wait_for_peers(self) -> None:
         # The store host must outlive every client, or their last heartbeats fail and they
