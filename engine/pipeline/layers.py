@@ -12,7 +12,8 @@ must carry gradients; masks cross as integer tensors.
 
 Named families (`build_layer_list`): ``nn.Sequential``; Hugging Face ``GPT2LMHeadModel``,
 ``BertForSequenceClassification``, ``BertForQuestionAnswering``, ``BertForMaskedLM``, RoBERTa's three
-equivalents, ``OPTForCausalLM``, ``BloomForCausalLM``; any other
+equivalents, ``OPTForCausalLM``, ``BloomForCausalLM``; the encoder-decoder ``T5ForConditionalGeneration`` (T5, Flan-T5:
+encoder stages then decoder stages, ``families/t5``); any other
 ``*ForCausalLM`` (LLaMA, Mistral, Qwen, ...) cut by its decoder structure (``families/hf_decoder``). Any other module
 goes through the traced family (``families/traced``: ``torch.fx`` symbolic tracing, cut between
 ``torch.nn`` leaf modules), which refuses a model only when tracing or cutting fails.
@@ -34,7 +35,8 @@ SUPPORTED = ("torch.nn.Sequential", "transformers GPT2LMHeadModel", "transformer
              "transformers BertForQuestionAnswering", "transformers BertForMaskedLM",
              "transformers RobertaForSequenceClassification", "transformers RobertaForQuestionAnswering",
              "transformers RobertaForMaskedLM", "transformers LlamaForCausalLM", "transformers OPTForCausalLM",
-             "transformers BloomForCausalLM", "smp.nn.DistributedTransformerLMHead",
+             "transformers BloomForCausalLM", "transformers T5ForConditionalGeneration",
+             "smp.nn.DistributedTransformerLMHead",
              "other transformers *ForCausalLM decoders (embedding, ModuleList of blocks, final norm, head)")
 
 

@@ -69,12 +69,12 @@ def test_text_output_names_each_stage(tmp_path, capsys):
 
 
 def test_unsupported_architecture_is_a_usage_error_naming_the_supported_ones(tmp_path, capsys):
-    bad = tmp_path / "t5.json"
-    bad.write_text(json.dumps({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}))
+    bad = tmp_path / "bart.json"
+    bad.write_text(json.dumps({"model_type": "bart", "architectures": ["BartForConditionalGeneration"]}))
     code = main(["explain", str(EXAMPLES / "bert_pipeline_000.json"), "--model", str(bad)])
     err = capsys.readouterr().err
     assert code == 2
-    assert "'T5ForConditionalGeneration' has no pipeline layer list" in err
+    assert "'BartForConditionalGeneration' has no pipeline layer list" in err
     assert "GPT2LMHeadModel" in err and "LlamaForCausalLM" in err and "Traceback" not in err
 
 
