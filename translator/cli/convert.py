@@ -9,7 +9,9 @@ refuses to replace an existing file unless ``--overwrite`` is given (exit 2).
 ``--to torchrun|deepspeed-launcher|mpirun`` prints the job's launch as a shell script (hostfile,
 node and process counts, the SageMaker environment; ``launch_script``); ``--to accelerate``
 needs ``-o OUT.yaml`` and writes OUT.yaml plus the DeepSpeed JSON it points at
-(``accelerate_config``).
+(``accelerate_config``). ``--to slurm`` writes an sbatch script (``translator.slurm``) and ``--to kubernetes`` a
+Kubeflow ``PyTorchJob`` manifest (``translator.kubernetes``), both starting torchrun with the same SageMaker
+environment as ``--to torchrun``.
 """
 
 from __future__ import annotations
@@ -40,8 +42,12 @@ TARGETS: tuple[str, ...] = (
     "torchrun",
     "deepspeed-launcher",
     "mpirun",
+    "slurm",
+    "kubernetes",
 )
 LAUNCH_TARGETS = ("torchrun", "deepspeed-launcher", "mpirun")
+CLUSTER_TARGETS = ("slurm", "kubernetes")
+PATH_TARGETS = LAUNCH_TARGETS + CLUSTER_TARGETS
 
 
 def convert_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
@@ -49,7 +55,8 @@ def convert_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     description = (
         "Translate an SMP configuration into a DeepSpeed config, Megatron arguments, launcher commands, "
         "an accelerate config or the whole plan. --to torchrun / deepspeed-launcher / mpirun print the "
-        "job's launch as a shell script; --to accelerate -o OUT.yaml also writes OUT.deepspeed.json."
+        "job's launch as a shell script; --to accelerate -o OUT.yaml also writes OUT.deepspeed.json; --to slurm "
+        "prints an sbatch script and --to kubernetes a Kubeflow PyTorchJob manifest."
     )
     parser = command_parser(subparsers, "convert", description)
     add_file_arg(parser)
@@ -57,13 +64,24 @@ def convert_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("--to", choices=TARGETS, default="deepspeed", help="what to produce (default: deepspeed)")
     parser.add_argument("-o", "--output", metavar="OUT", help="write to OUT instead of standard output")
     parser.add_argument("--overwrite", action="store_true", help="allow -o to replace an existing file")
-    paths = parser.add_argument_group("SageMaker's paths, for --to torchrun / deepspeed-launcher / mpirun")
+    paths = parser.add_argument_group(
+        "SageMaker's paths, for --to torchrun / deepspeed-launcher / mpirun / slurm / kubernetes")
     paths.add_argument("--output-dir", metavar="DIR",
                        help="where /opt/ml/model (SM_MODEL_DIR: DIR/model) and /opt/ml/output go")
     paths.add_argument("--checkpoint-dir", metavar="DIR", help="where /opt/ml/checkpoints goes")
     paths.add_argument("--channel", action="append", default=[], metavar="NAME=PATH",
                        help="an input channel: SM_CHANNEL_<NAME>=PATH, and /opt/ml/input/data/NAME -> PATH "
                        "(repeatable)")
+    cluster = parser.add_argument_group("clusters, for --to slurm / kubernetes")
+    cluster.add_argument("--job-name", metavar="NAME",
+                         help="the Slurm job's or PyTorchJob's name (default: smp2ds-<FILE's name>)")
+    cluster.add_argument("--cpu", action="store_true",
+                         help="run the ranks on CPUs (DS_ACCELERATOR=cpu): request no GPUs")
+    cluster.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                         help="--to slurm: one more #SBATCH option, written as --sbatch=--partition=gpu (repeatable)")
+    cluster.add_argument("--image", metavar="IMAGE",
+                         help="--to kubernetes (required): the container image with the script, smp2ds and torch")
+    cluster.add_argument("--namespace", metavar="NS", help="--to kubernetes: the PyTorchJob's namespace")
     add_format_arg(parser)
     parser.set_defaults(handler=convert_command)
     return parser
@@ -79,9 +97,10 @@ def convert_command(args: argparse.Namespace) -> int:
         if os.path.exists(path) and not args.overwrite:
             raise UsageError(f"{path} exists; pass --overwrite to replace it")
     mapping = bool(args.output_dir or args.checkpoint_dir or args.channel)
-    if mapping and args.to not in LAUNCH_TARGETS:
+    if mapping and args.to not in PATH_TARGETS:
         raise UsageError(f"--output-dir, --checkpoint-dir and --channel map SageMaker's paths in a launch script; "
-                         f"use them with --to {' / '.join(LAUNCH_TARGETS)}, not --to {args.to}")
+                         f"use them with --to {' / '.join(PATH_TARGETS)}, not --to {args.to}")
+    _check_cluster_flags(args)
 
     from smp2ds.translator.load import load_document
     from smp2ds.translator.normalize import normalize
@@ -97,6 +116,8 @@ def convert_command(args: argparse.Namespace) -> int:
         return _write_accelerate(result, args)
     if args.to in LAUNCH_TARGETS:
         text = render_launch(result, args.to, args.format, _entry_point(document), config, _local_paths(args))
+    elif args.to in CLUSTER_TARGETS:
+        text = render_cluster(result, args, _entry_point(document), config)
     else:
         text = render(result, args.to, args.format)
     if args.output:
@@ -113,6 +134,63 @@ def convert_command(args: argparse.Namespace) -> int:
         for remark in result.remarks:
             sys.stderr.write(f"smp2ds convert: note: {remark}\n")
     return EXIT_OK
+
+
+def _check_cluster_flags(args: argparse.Namespace) -> None:
+    """The cluster flags only with the targets they shape; --to kubernetes needs --image."""
+    given = [flag for flag, value, targets in (
+        ("--job-name", args.job_name, CLUSTER_TARGETS), ("--cpu", args.cpu, CLUSTER_TARGETS),
+        ("--sbatch", args.sbatch, ("slurm",)), ("--image", args.image, ("kubernetes",)),
+        ("--namespace", args.namespace, ("kubernetes",))) if value and args.to not in targets]
+    if given:
+        allowed = "slurm" if given[0] == "--sbatch" else "kubernetes" if given[0] in ("--image", "--namespace") \
+            else "slurm / kubernetes"
+        raise UsageError(f"{given[0]} only applies to --to {allowed}, not --to {args.to}")
+    if args.to == "kubernetes" and not (args.image or "").strip():
+        raise UsageError("--to kubernetes needs --image IMAGE: the container image that holds the training script, "
+                         "smp2ds and torch")
+    if args.to == "slurm":
+        from smp2ds.translator.slurm import check_sbatch_options
+
+        try:
+            args.sbatch = check_sbatch_options(args.sbatch)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    if args.job_name is not None and args.to == "kubernetes":
+        from smp2ds.translator.kubernetes import check_job_name
+
+        try:
+            check_job_name(args.job_name)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    elif args.job_name is not None and not args.job_name.strip():
+        raise UsageError("--job-name must not be empty")
+
+
+def render_cluster(result: Any, args: argparse.Namespace, entry_point: str | None, config: Any) -> str:
+    """``--to slurm``: the sbatch script (``--format json``: its parts); ``--to kubernetes``: the PyTorchJob, as
+    YAML, or JSON with ``--format json``, ``-o FILE.json`` or without PyYAML."""
+    from smp2ds.translator.cluster_job import cluster_job
+
+    from . import report
+
+    ddp_port = config.given.get("ddp_port")
+    ddp_port = ddp_port if isinstance(ddp_port, int) and not isinstance(ddp_port, bool) else None
+    job = cluster_job(result.launcher, entry_point, _local_paths(args), ddp_port)
+    instance = f"{config.instance_count} x {config.instance_type}" if config.instance_type else None
+    if args.to == "slurm":
+        from smp2ds.translator.slurm import job_name, render_sbatch, slurm_spec
+
+        options = {"name": args.job_name or job_name(source_name(args.file)), "gpus": not args.cpu,
+                   "extra": args.sbatch, "instance": instance}
+        return report.dump_json(slurm_spec(job, **options)) if args.format == "json" else render_sbatch(job, **options)
+    from smp2ds.translator.kubernetes import job_name as k8s_name
+    from smp2ds.translator.kubernetes import pytorchjob, render_manifest
+
+    manifest = pytorchjob(job, name=args.job_name or k8s_name(source_name(args.file)), image=args.image.strip(),
+                          gpus=not args.cpu, namespace=args.namespace)
+    as_json = args.format == "json" or (args.output or "").lower().endswith(".json")
+    return render_manifest(manifest, "json" if as_json else "auto")
 
 
 def _outputs(args: argparse.Namespace) -> list[str]:

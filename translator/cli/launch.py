@@ -6,6 +6,8 @@ mpirun. Here the same variables are set (taken from the plan's launcher section 
 them) and the script runs under the deepspeed launcher, torchrun or mpirun, as a subprocess
 whose exit code becomes ours. Without GPUs (no ``nvidia-smi``) the ranks run on the CPU with
 gloo (``DS_ACCELERATOR=cpu``) and a notice says so. ``--dry-run`` prints instead of running.
+Inside a Slurm allocation the node count, this node's rank, the master's address and the processes
+per node default to what the ``SLURM_*`` variables say (``smp2ds.translator.slurm_env``).
 
 This module parses the flags, builds a `LaunchSpec`, runs it and reports; the environment and
 the command line come from ``smp2ds.translator.launcher`` (shared with the plan's launcher
@@ -66,14 +68,19 @@ def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         "--nproc-per-node",
         type=positive_int,
         metavar="N",
-        help="processes on this node (default: mpi.processes_per_host, else GPU count, else 1)",
+        help="processes on this node (default: mpi.processes_per_host, else Slurm's SLURM_GPUS_ON_NODE or "
+        "SLURM_NTASKS_PER_NODE, else GPU count, else 1)",
     )
     parser.add_argument(
         "--nnodes", type=positive_int, metavar="M",
-        help="number of nodes (default 1; an estimator with instance_count > 1 needs it said)"
+        help="number of nodes (default: SLURM_NNODES inside srun, else 1; an estimator with instance_count > 1 "
+        "needs it said)"
     )
-    parser.add_argument("--node-rank", type=int, default=0, metavar="R", help="rank of this node, 0..M-1")
-    parser.add_argument("--master-addr", metavar="A", help="address of node 0 (required when --nnodes > 1)")
+    parser.add_argument("--node-rank", type=int, metavar="R",
+                        help="rank of this node, 0..M-1 (default: SLURM_NODEID inside srun, else 0)")
+    parser.add_argument("--master-addr", metavar="A",
+                        help="address of node 0 (required when --nnodes > 1; default inside srun: the first host "
+                        "of SLURM_JOB_NODELIST)")
     parser.add_argument(
         "--master-port",
         type=positive_int,
@@ -172,6 +179,12 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
     from .machine import detect_gpus, free_port, launcher_program
 
     doc = _document(args)
+    slurm = _slurm(args)
+    if slurm is not None:
+        args.nnodes = args.nnodes or slurm["nnodes"]
+        args.node_rank = slurm["node_rank"] if args.node_rank is None else args.node_rank
+        args.master_addr = args.master_addr or slurm["master_addr"]
+    args.node_rank = 0 if args.node_rank is None else args.node_rank
     args.nnodes = _nodes(args, doc)
     script = list(getattr(args, "script_argv", []) or []) or _entry_point(doc)
     if not script:
@@ -195,7 +208,7 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
     channels = parse_channels(args.channel)
 
     gpus = detect_gpus()
-    config, planned, nproc = _plan(args, doc, gpus)
+    config, planned, nproc = _plan(args, doc, (slurm and slurm["nproc"]) or gpus or 1)
     if config is not None:
         script = with_hyperparameters(script, config.hyperparameters)
 
@@ -237,6 +250,9 @@ def build_spec(args: argparse.Namespace) -> LaunchSpec:
         env[k] for k in ("SM_MODEL_DIR", "SM_OUTPUT_DATA_DIR", "SM_OUTPUT_INTERMEDIATE_DIR") if k in env
     )
     notices = _notices(config, gpus, nproc, args.nnodes)
+    if slurm is not None:
+        notices.insert(0, f"{slurm['source']} (defaults from SLURM_*; --nnodes, --node-rank, --master-addr and "
+                       "--nproc-per-node override them)")
     return LaunchSpec(command=command, env=env, notices=notices, hostfile=hostfile, dirs=dirs)
 
 
@@ -274,16 +290,30 @@ def _entry_point(doc: Any) -> list[str]:
     return [os.path.join(source, entry) if isinstance(source, str) and source else entry]
 
 
-def _plan(args: argparse.Namespace, doc: Any, gpus: int) -> tuple[Any, dict[str, Any] | None, int]:
+def _slurm(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Slurm's defaults for this launch (``slurm_env.launch_defaults``), or None outside an allocation."""
+    from smp2ds.translator.slurm_env import SlurmEnvError, in_allocation, launch_defaults
+
+    if not in_allocation(os.environ):
+        return None
+    try:
+        return launch_defaults(os.environ, args.nnodes)
+    except SlurmEnvError as err:
+        raise UsageError(str(err)) from None
+
+
+def _plan(args: argparse.Namespace, doc: Any, fallback: int) -> tuple[Any, dict[str, Any] | None, int]:
     """The config (checked against the world this launch runs), the plan's launcher env and the
-    processes per node; (None, None, nproc) without ``--estimator`` / ``--config``."""
+    processes per node; (None, None, nproc) without ``--estimator`` / ``--config``. ``fallback``: the processes
+    per node when neither ``--nproc-per-node`` nor the config's ``processes_per_host`` says (Slurm's, else the
+    GPUs, else 1)."""
     if doc is None:
-        return None, None, args.nproc_per_node or gpus or 1
+        return None, None, args.nproc_per_node or fallback
     from smp2ds.translator.normalize import normalize
     from smp2ds.translator.plan_types import Layout
     from smp2ds.translator.planner import plan
 
-    nproc = args.nproc_per_node or _int(normalize(doc).mpi.get("processes_per_host")) or gpus or 1
+    nproc = args.nproc_per_node or _int(normalize(doc).mpi.get("processes_per_host")) or fallback
     layout = Layout(world_size=nproc * args.nnodes, gpus_per_node=nproc)
     config = normalize(doc, layout)
     return config, plan(config, layout).launcher.get("env"), nproc
