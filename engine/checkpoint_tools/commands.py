@@ -11,7 +11,14 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from smp2ds.engine.checkpoint_tools import consolidate as consolidation
-from smp2ds.engine.checkpoint_tools import hf_export, inspect_report, layout, optimizer_state
+from smp2ds.engine.checkpoint_tools import (
+    dcp_export,
+    hf_export,
+    inspect_report,
+    layout,
+    optimizer_state,
+    universal_export,
+)
 from smp2ds.engine.checkpoint_tools import reshard as resharding
 from smp2ds.engine.exceptions import SMPCheckpointError, SMPInvalidArgumentError
 
@@ -80,13 +87,28 @@ def _optimizer(found: layout.CheckpointLayout) -> dict:
     return optimizer_state.consolidate_optimizer(found, consolidation.checked_plan(found, reader), reader)
 
 
+EXPORT_FORMATS = ("hf", "dcp", "deepspeed-universal")
+
+
 def export(path: str, to: str, out_dir: str, tag: str | None, config: str | None, model_type: str | None,
            heads: int | None, quiet: bool, err: TextIO | None = None) -> int:
+    if to not in EXPORT_FORMATS:
+        raise SMPInvalidArgumentError(f"--to {to!r}: allowed {', '.join(EXPORT_FORMATS)}")
     if to != "hf":
-        raise SMPInvalidArgumentError(f"--to {to!r}: allowed hf")
+        given = [flag for flag, value in (("--config", config), ("--model-type", model_type),
+                                          ("--num-attention-heads", heads)) if value is not None]
+        if given:
+            raise SMPInvalidArgumentError(f"{', '.join(given)}: only for --to hf (--to {to} keeps the checkpoint's "
+                                          "own parameter names and needs no model config)")
     found = layout.find(path, tag)
 
     def work() -> str:
+        if to == "dcp":
+            keys = dcp_export.export(found, out_dir)
+            return f"wrote {out_dir}: torch.distributed.checkpoint with {' and '.join(keys)} state"
+        if to == "deepspeed-universal":
+            latest, tag = universal_export.export(found, out_dir)
+            return f"wrote {out_dir}: DeepSpeed universal checkpoint {tag} ({latest}, {tag}/zero/<parameter>/)"
         return f"wrote {out_dir}: {', '.join(hf_export.export(found, out_dir, config, model_type, heads))}"
 
     return _report("export", work, quiet, err)

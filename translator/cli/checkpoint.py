@@ -2,9 +2,11 @@
 
 ``inspect PATH`` reports the layout and every problem (exit 1 when incomplete or corrupt);
 ``consolidate PATH --out FILE`` writes one full state dict; ``export PATH --to hf DIR`` writes a
-Hugging Face model directory; ``reshard PATH --out DIR --tp N --pp M`` re-cuts a checkpoint for
-another layout. The work lives in ``smp2ds.engine.checkpoint_tools`` (it needs
-torch); it is imported inside the command, so the rest of the CLI stays torch-free.
+Hugging Face model directory, ``--to dcp DIR`` a torch.distributed.checkpoint directory,
+``--to deepspeed-universal DIR`` a DeepSpeed universal checkpoint;
+``reshard PATH --out DIR --tp N --pp M`` re-cuts a checkpoint for another layout. The work lives
+in ``smp2ds.engine.checkpoint_tools`` (it needs torch); it is imported inside the command, so
+the rest of the CLI stays torch-free.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from . import EXIT_INVALID, EXIT_USAGE, command_parser, positive_int
 def checkpoint_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """Register ``checkpoint`` (or build a standalone parser when ``subparsers`` is None)."""
     description = ("Read SMP / smp2ds checkpoints without a distributed job: inspect a folder, consolidate its "
-                   "partial files into one state dict, or export a Hugging Face model directory.")
+                   "partial files into one state dict, export a Hugging Face or torch.distributed.checkpoint "
+                   "directory, or reshard.")
     parser = command_parser(subparsers, "checkpoint", description)
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
@@ -36,12 +39,17 @@ def checkpoint_command_parser(subparsers: Any = None) -> argparse.ArgumentParser
                      "by parameter name to <out stem>.optimizer.pt (unsharded fp32 state only)")
     con.add_argument("--quiet", action="store_true", help="no progress bar or summary")
 
-    exp = actions.add_parser("export", help="a Hugging Face model directory from a checkpoint")
+    exp = actions.add_parser("export", help="a checkpoint other frameworks open: a Hugging Face model directory, "
+                             "a torch.distributed.checkpoint (DCP) directory or a DeepSpeed universal checkpoint")
     _add_path(exp)
-    exp.add_argument("--to", required=True, nargs=2, metavar=("FORMAT", "DIR"), help="hf DIR")
-    source = exp.add_mutually_exclusive_group(required=True)
-    source.add_argument("--config", metavar="FILE", help="the model's Hugging Face config.json")
-    source.add_argument("--model-type", metavar="TYPE", help="gpt2, llama or gpt_neox: sizes read from the shapes")
+    exp.add_argument("--to", required=True, nargs=2, metavar=("FORMAT", "DIR"),
+                     help="hf DIR (needs --config or --model-type); dcp DIR (model and optimizer state by "
+                     "parameter name, for dcp.load + set_state_dict at any world size); deepspeed-universal DIR "
+                     "(DeepSpeed's universal checkpoint: load_universal at any ZeRO stage and data-parallel size)")
+    source = exp.add_mutually_exclusive_group()
+    source.add_argument("--config", metavar="FILE", help="--to hf: the model's Hugging Face config.json")
+    source.add_argument("--model-type", metavar="TYPE", help="--to hf: gpt2, llama or gpt_neox: sizes read from "
+                        "the shapes")
     exp.add_argument("--num-attention-heads", type=positive_int, metavar="N",
                      help="attention heads (with --model-type: no shape holds the head count)")
     exp.add_argument("--quiet", action="store_true", help="no summary")

@@ -1,0 +1,107 @@
+"""A partial SMP checkpoint -> a ``torch.distributed.checkpoint`` (DCP) directory.
+
+The directory holds one state dict, keyed as ``torch.distributed.checkpoint.state_dict`` names
+things, so a job of any world size (FSDP2, DDP, one process) loads it with DCP's own loader::
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=DIR)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+* ``model``: the full state dict under the model's own names (:mod:`.consolidate`), as
+  ``model.state_dict()`` has it;
+* ``optim``: the optimizer state by parameter name (:mod:`.optimizer_state`), the layout
+  ``get_optimizer_state_dict`` gives: ``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}},
+  "param_groups": [{lr, betas, ..., "params": [names]}]}``. ``step`` is a float32 0-d tensor, as
+  ``torch.optim.Adam`` keeps it. Absent when the checkpoint holds no optimizer state.
+
+Streaming: DCP plans from the tensors' shapes and dtypes (meta tensors stand in for the model's
+weights) and asks for each tensor's bytes only when it writes it (:class:`_LazyPlanner`), one at a
+time (one writer thread), so the model is never whole in memory. The optimizer state is built
+first, whole, as ``consolidate --with-optimizer`` builds it. The directory is written under a
+temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from smp2ds.engine.checkpoint_tools import consolidate, optimizer_state
+from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
+from smp2ds.engine.exceptions import SMPInvalidArgumentError
+
+MODEL_KEY, OPTIM_KEY = "model", "optim"
+
+
+def _planner(lazy: dict[str, Callable[[], torch.Tensor]]) -> Any:
+    """A DCP save planner that makes the tensors of ``lazy`` (flattened key -> producer) on demand."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class _LazyPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            make = lazy.get(write_item.index.fqn)
+            return make() if make is not None else super().resolve_data(write_item)
+
+    return _LazyPlanner()
+
+
+def check_out_dir(out_dir: str, flag: str) -> None:
+    """Refuse an ``out_dir`` that exists and is not empty (an export never overwrites)."""
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise SMPInvalidArgumentError(f"{flag} {out_dir}: exists and is not an empty folder; choose another "
+                                      "output folder (export never overwrites)")
+
+
+def optimizer_dict(optim: dict[str, Any]) -> dict[str, Any]:
+    """The consolidated optimizer state as ``get_optimizer_state_dict`` lays it out (``step`` a tensor)."""
+    state = {}
+    for name, values in optim["state"].items():
+        entry = dict(values)
+        if "step" in entry:
+            entry["step"] = torch.tensor(float(entry["step"]), dtype=torch.float32)
+        state[name] = entry
+    groups = [{**g, "params": list(g["params"])} for g in optim["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def export(layout: CheckpointLayout, out_dir: str) -> list[str]:
+    """Write the DCP directory ``out_dir``; returns the top-level keys written (``model``, ``optim``)."""
+    import torch.distributed.checkpoint as dcp
+
+    check_out_dir(out_dir, "--to dcp")
+    reader = consolidate.ShardReader()
+    entries = consolidate.checked_plan(layout, reader)
+    optim = (optimizer_state.consolidate_optimizer(layout, entries, reader) if layout.optimizer_files else None)
+    model = {e.key: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in entries}
+    by_key = {f"{MODEL_KEY}.{e.key}": e for e in entries}
+
+    def producer(entry: consolidate.Entry) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            reader.maybe_release()  # the previous tensor is written and dropped by now
+            return consolidate.join(entry, reader)
+        return make
+
+    state: dict[str, Any] = {MODEL_KEY: model}
+    if optim is not None:
+        state[OPTIM_KEY] = optimizer_dict(optim)
+    staging = f"{out_dir.rstrip(os.sep)}.smp2ds-partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        writer = dcp.FileSystemWriter(staging, single_file_per_rank=True, thread_count=1)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.save(state, storage_writer=writer, planner=_planner({k: producer(e) for k, e in by_key.items()}),
+                     no_dist=True)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty (checked above)
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return list(state)
