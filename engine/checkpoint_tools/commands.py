@@ -100,6 +100,8 @@ def export(path: str, to: str, out_dir: str, tag: str | None, config: str | None
         if given:
             raise SMPInvalidArgumentError(f"{', '.join(given)}: only for --to hf (--to {to} keeps the checkpoint's "
                                           "own parameter names and needs no model config)")
+    else:
+        hf_export.check_model_args(config, model_type)  # before reading the folder: a usage error comes first
     found = layout.find(path, tag)
 
     def work() -> str:

@@ -94,14 +94,19 @@ def _read_config(path: str) -> dict[str, Any]:
     return cfg
 
 
+def check_model_args(config_file: str | None, model_type: str | None) -> None:
+    """The Hugging Face export names its model by exactly one of a config file and a model type."""
+    if (config_file is None) == (model_type is None):
+        raise SMPInvalidArgumentError("give exactly one of --config FILE and --model-type TYPE (got "
+                                      f"{'both' if config_file else 'neither'})")
+
+
 def export(layout: CheckpointLayout, out_dir: str, config_file: str | None = None, model_type: str | None = None,
            heads: int | None = None, max_shard_size: str = "5GB") -> list[str]:
     """Write ``out_dir`` for ``AutoModelForCausalLM.from_pretrained``; returns the files written."""
     import transformers as tf
 
-    if (config_file is None) == (model_type is None):
-        raise SMPInvalidArgumentError("give exactly one of --config FILE and --model-type TYPE (got "
-                                      f"{'both' if config_file else 'neither'})")
+    check_model_args(config_file, model_type)
     reader = consolidate.ShardReader()
     entries = consolidate.checked_plan(layout, reader)
     sd = dict(consolidate.iter_tensors(entries, reader))
