@@ -10,7 +10,10 @@ all defaults about 6) or
    transformer (``--flash-attention on|off|auto``: also with ``flash_attention=True``; ``auto`` runs it and
    reports "skipped" when smp2ds refuses the setting); losses must equal native DeepSpeed's with the same
    config and follow fp32 Hugging Face training;
-3. step time of the same GPT-2 (124M and 355M at batch 8 x 1024 on cuda, tiny on cpu; activation
+3. ``smp2ds explain --memory``'s estimate for an SMP-style GPT-2 step (124M at batch 8 x 1024 on cuda, bf16,
+   every block checkpointed) against ``torch.cuda.max_memory_allocated`` (on cpu: the live-storage counter),
+   within 10 %;
+4. step time of the same GPT-2 (124M and 355M at batch 8 x 1024 on cuda, tiny on cpu; activation
    checkpointing of every block; AdamW) for plain PyTorch (autocast), native DeepSpeed
    (``deepspeed.initialize`` with ZeRO 0 and exactly the DeepSpeed config smp2ds builds) and smp2ds
    (``smp.init`` + ``smp.DistributedModel`` + ``@smp.step``): median and best step after warm-up, the
@@ -258,7 +261,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="timing rounds per size and precision, runner order rotated each round")
     parser.add_argument("--jobs", type=int, help="functional cases run side by side (timing runs alone)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["mlp", "gpt2", "timing"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["mlp", "gpt2", "memory", "timing"])
     parser.add_argument("--json", type=Path, help="also write every row to this file")
     args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
@@ -303,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
             if "gpt2" not in args.skip:
                 futures += [pool.submit(run_case, name, spec, env, args.timeout, tmp)
                             for name, spec in functional_cases(args.device, args.flash_attention)]
+            if "memory" not in args.skip:
+                futures.append(pool.submit(run_case, "GPT-2 bf16, memory estimate vs measured peak",
+                                           {"case": "memory", "device": args.device, "tmp": str(tmp)}, env,
+                                           args.timeout, tmp))
             for future in futures:
                 rows.append(_progress(future.result(), started, rows, args.json))
         hold_to_deepspeed(rows)

@@ -351,6 +351,48 @@ def gpt2_case(spec: dict) -> dict[str, Any]:
     return {"status": "failed" if problems else "ok", "detail": "; ".join(problems) or detail, "losses": got}
 
 
+def memory_case(spec: dict) -> dict[str, Any]:
+    """``smp2ds explain --memory``'s estimate against the measured peak of an SMP-style GPT-2 step (bf16, every
+    block checkpointed, AdamW): ``torch.cuda.max_memory_allocated`` on cuda, the live-storage counter on cpu."""
+    import contextlib
+
+    import smdistributed.modelparallel.torch as smp
+    from smp2ds.engine.memory import estimate_memory, load_model_source
+    from smp2ds.engine.memory.layout import step_shape
+    from smp2ds.engine.memory.measure import LiveTensorBytes
+    from smp2ds.translator.normalize import normalize
+    from smp2ds.translator.plan_types import Layout
+    from smp2ds.translator.planner import plan
+
+    size = SIZES["124M"] if spec["device"] == "cuda" else FUNCTIONAL
+    params = _smp_params("bf16")
+    model = _gpt2(size)
+    config_path = Path(spec["tmp"]) / "gpt2-config.json"
+    config_path.write_text(json.dumps({**model.config.to_dict(), "architectures": ["GPT2LMHeadModel"]}))
+    layout = Layout(world_size=1, batch_size=size["batch"])
+    shape = step_shape(plan(normalize(dict(params), layout), layout), batch_per_rank=size["batch"],
+                       seq_len=size["seq"], activation_checkpointing=True)
+    estimate = estimate_memory(load_model_source(str(config_path)), shape).peak
+    device = _device(spec)
+    counter = LiveTensorBytes() if device.type == "cpu" else contextlib.nullcontext()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with counter:
+        smp.init(params)
+        wrapped = smp.DistributedModel(model)
+        for block in wrapped.get_module().transformer.h.children():
+            smp.set_activation_checkpointing(block)
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(wrapped.parameters(), lr=LR))
+        step = _smp_step(smp, wrapped, opt, _tokens(size, device))
+        for _ in range(3):
+            step()
+    measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else counter.peak
+    ratio = estimate / measured
+    status = "ok" if abs(ratio - 1) <= 0.10 else "failed"
+    return {"status": status, "detail": f"estimate {estimate / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, "
+                                        f"ratio {ratio:.3f} (allowed 0.90-1.10)"}
+
+
 # ---- the unchanged example script ------
 def mlp_compare(spec: dict) -> dict[str, Any]:
     """``examples/train_smp_mlp.py``'s dumped weights against plain PyTorch on the same data and batches."""
@@ -380,7 +422,7 @@ def mlp_compare(spec: dict) -> dict[str, Any]:
 
 
 CASES = {"time": time_case, "profile": profile_case, "gpt2": gpt2_case, "gpt2_deepspeed": gpt2_deepspeed_case,
-         "mlp_compare": mlp_compare}
+         "mlp_compare": mlp_compare, "memory": memory_case}
 
 
 def main(argv: list[str]) -> int:

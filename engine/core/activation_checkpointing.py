@@ -100,6 +100,12 @@ def _wrap(module: torch.nn.Module, preserve_rng_state: bool) -> None:
     module._smp2ds_checkpointed = True
 
 
+def checkpoint_forward(module: torch.nn.Module, preserve_rng_state: bool = True) -> None:
+    """Checkpoint every later call of ``module`` as ``smp.set_activation_checkpointing`` does, without a
+    ``DistributedModel`` (the memory estimate checkpoints the blocks of a model it traces)."""
+    _wrap(module, preserve_rng_state)
+
+
 def checkpoint_sequential(sequential: torch.nn.Sequential, input: Any, strategy: str = "each",
                           preserve_rng_state: bool = True, pack_args_as_tuple: bool = False) -> Any:
     """Checkpoint the layers of ``sequential`` in groups chosen by ``strategy``."""

@@ -59,6 +59,8 @@ class StepFunction:
                 f"smp.step function {self.func.__name__!r} was called before smp.DistributedModel(...) existed; "
                 "wrap the model first"
             )
+        if state.watchdog is not None:
+            state.watchdog.forget_position()  # between steps: hold no finished collective's frame
         started = step_log.step_started()
         outputs = collect(model.run_step(self, args, kwargs), self.detach_outputs)
         step_log.step_finished(started, outputs)  # SMP2DS_LOG=info: one line every SMP2DS_LOG_FREQ steps

@@ -23,6 +23,7 @@ OWN_PAGES = (
     "cli.md",
     "performance.md",
     "architecture.md",
+    "memory.md",
 )
 """Pages whose opening example tests/docs/test_pages.py runs (doctor, diagrams and smp-semantics test their own)."""
 

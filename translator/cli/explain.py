@@ -22,6 +22,7 @@ from . import (
     add_layout_args,
     command_parser,
     layout_from_args,
+    memory,
     positive_int,
     write_stdout,
 )
@@ -77,6 +78,7 @@ def explain_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         help="sequence length for the tensor-parallel traffic estimate (with --model and --batch-size; "
         "default: the model's maximum positions)",
     )
+    memory.add_memory_args(parser)
     _add_drawing_args(parser)
     add_layout_args(parser)
     add_format_arg(parser)
@@ -95,6 +97,8 @@ def explain_command(args: argparse.Namespace) -> int:
     layout = layout_from_args(args)
     config = normalize(load_document(args.file), layout)
     result = plan(config, layout)
+    if memory.wants_memory(args):
+        return _memory(args, config, result, layout)
     split = _model_split(args.model, config) if args.model else None
     params = args.params or (split.n_params if split else None)
     estimate = _estimate(result, params, "--model" if split and not args.params else None)
@@ -139,6 +143,19 @@ def explain_command(args: argparse.Namespace) -> int:
         + ("" if params else "(no --params given: figures are for 1e9 parameters and scale linearly)\n"),
     ]
     write_stdout("\n".join(p for p in parts if p))
+    return EXIT_OK
+
+
+def _memory(args: argparse.Namespace, config: Any, result: Any, layout: Any) -> int:
+    """``--memory`` / ``--fit``: the per-role peak, or the layouts that fit (see ``cli/memory.py``)."""
+    from . import report
+
+    if args.fit:
+        found = memory.fit_report(args, config, result, layout)
+        write_stdout(report.dump_json(found) if args.format == "json" else memory.render_fit_text(found))
+        return EXIT_OK
+    figures = memory.memory_report(args, config, result)
+    write_stdout(report.dump_json(figures) if args.format == "json" else memory.render_memory_text(figures))
     return EXIT_OK
 
 

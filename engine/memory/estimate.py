@@ -1,0 +1,294 @@
+"""Peak memory of each rank role for one training step: traced parts plus DeepSpeed's formulas.
+
+A rank role is a pipeline stage; its tensor-parallel ranks hold equal shapes and share one figure.
+Each stage is traced once (:mod:`.step_trace`) for one micro-batch: the whole model without pipelines,
+else the stage's layers of the engine's own layer list, split by the engine's partitioner. A stage of
+a 1F1B schedule keeps ``min(stages - stage, microbatches)`` micro-batches' activations in flight, so
+the stage's peak adds the saved activations of the others to the traced peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from smp2ds.engine.memory.model_source import ModelSource
+from smp2ds.engine.memory.model_states import StatePart, model_states
+from smp2ds.engine.memory.step_trace import StepTrace, trace_step
+from smp2ds.engine.memory.tensor_parallel import fake_group, shard
+
+GIB = 1 << 30
+CONTEXT_BYTES = 1 * GIB
+"""Kept back from the device for the CUDA context, NCCL's buffers and the kernels' workspaces."""
+ALLOCATOR_SHARE = 0.05
+"""Kept back for the caching allocator's fragmentation."""
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """One pipeline stage's peak (every tensor-parallel rank of it alike)."""
+
+    stage: int
+    layers: tuple[str, str]
+    """First and last layer of the stage."""
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    buckets: int
+    transient: int
+    in_flight: int
+    """Micro-batches whose activations this stage holds at its peak."""
+    elements: int
+    """Parameters this rank holds."""
+    parts: tuple[StatePart, ...] = field(default_factory=tuple)
+
+    def _held(self, phase: str) -> int:
+        return sum(p.bytes for p in self.parts if p.phase == phase)
+
+    @property
+    def backward_peak(self) -> int:
+        """Forward and backward: the traced peak with the model states held through the step."""
+        return self.parameters + self.gradients + self.activations + self.transient + self._held("persistent")
+
+    @property
+    def update_peak(self) -> int:
+        """Gradient reduction and update, activations freed: the parts allocated only then."""
+        return self.parameters + self.gradients + self._held("persistent") + self._held("step")
+
+    @property
+    def total(self) -> int:
+        """The role's peak: the larger of the two phases."""
+        return max(self.backward_peak, self.update_peak)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "first_layer": self.layers[0], "last_layer": self.layers[1],
+                "parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
+                "activations": self.activations, "buckets": self.buckets, "transient": self.transient,
+                "total": self.total, "peak_phase": "backward" if self.backward_peak >= self.update_peak else "update",
+                "micro_batches_in_flight": self.in_flight, "parameters_held": self.elements,
+                "formulas": [{"name": p.name, "bytes": p.bytes, "reason": p.reason, "phase": p.phase}
+                             for p in self.parts]}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Every role's peak and the step it was traced for."""
+
+    model: str
+    roles: tuple[RoleMemory, ...]
+    micro_batch: int
+    seq_len: int
+    dtype: str
+    activation_checkpointing: bool
+
+    @property
+    def peak(self) -> int:
+        return max(role.total for role in self.roles)
+
+    def fits(self, device_bytes: int) -> bool:
+        """True when the largest role fits ``device_bytes`` less the context and allocator margin."""
+        return self.peak <= usable_bytes(device_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "micro_batch": self.micro_batch, "seq_len": self.seq_len, "dtype": self.dtype,
+                "activation_checkpointing": self.activation_checkpointing, "peak": self.peak,
+                "roles": [role.to_dict() for role in self.roles]}
+
+
+def usable_bytes(device_bytes: int) -> int:
+    """What a training step may use of a device of ``device_bytes``."""
+    return int((device_bytes - CONTEXT_BYTES) * (1 - ALLOCATOR_SHARE))
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The layout and step the estimate is for (from the plan and the flags)."""
+
+    pipeline_stages: int = 1
+    tensor_parallel: int = 1
+    microbatches: int = 1
+    batch_per_rank: int = 1
+    seq_len: int = 1024
+    dtype: torch.dtype = torch.float32
+    zero_stage: int = 0
+    optimizer_shard: int = 1
+    zero_config: Mapping[str, Any] = field(default_factory=dict)
+    activation_checkpointing: bool = False
+    memory_weight: float = 0.8
+    prescaled_batch: bool = False
+    """SMP's ``prescaled_batch``: False (its default) gathers the tensor-parallel group's batches in each block."""
+
+
+def estimate_memory(source: ModelSource, shape: StepShape) -> MemoryEstimate:
+    """Trace ``source``'s model for ``shape`` on fake tensors and add the model-state formulas."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if shape.batch_per_rank % shape.microbatches:
+        raise ValueError(f"the per-rank batch {shape.batch_per_rank} is not divisible by microbatches "
+                         f"{shape.microbatches}")
+    micro = shape.batch_per_rank // shape.microbatches
+    tp = shape.tensor_parallel
+    with fake_group(tp) if tp > 1 else contextlib.nullcontext() as group, FakeTensorMode(allow_non_fake_inputs=True):
+        model = _build(source, shape).train()
+        if tp > 1:
+            shard(model, group, tp, shape.prescaled_batch)
+        if shape.activation_checkpointing:
+            checkpoint_blocks(model)
+        inputs = source.make_inputs(model, micro, shape.seq_len)
+        if shape.pipeline_stages == 1:
+            stages = [_whole_model(model, inputs)]
+        else:
+            stages = _pipeline_stages(model, inputs, shape)
+    half = shape.dtype in (torch.float16, torch.bfloat16)
+    elem = torch.tensor([], dtype=shape.dtype).element_size()
+    roles = []
+    for index, (names, elements, trace) in enumerate(stages):
+        in_flight = min(shape.pipeline_stages - index, shape.microbatches) if shape.pipeline_stages > 1 else 1
+        optimizer, buckets = model_states(elements=elements, grad_bytes_per_element=elem, half=half,
+                                          zero_stage=shape.zero_stage, shard=shape.optimizer_shard,
+                                          zero_config=shape.zero_config)
+        activations = trace.peak_activations + (in_flight - 1) * trace.saved_activations
+        transient = trace.peak - trace.parameters - trace.gradients - trace.peak_activations
+        roles.append(RoleMemory(stage=index, layers=names, parameters=trace.parameters, gradients=trace.gradients,
+                                optimizer=sum(p.bytes for p in optimizer), activations=activations,
+                                buckets=sum(p.bytes for p in buckets), transient=max(transient, 0),
+                                in_flight=in_flight, elements=elements, parts=tuple(optimizer + buckets)))
+    return MemoryEstimate(model=source.description, roles=tuple(roles), micro_batch=micro, seq_len=shape.seq_len,
+                          dtype=str(shape.dtype).replace("torch.", ""),
+                          activation_checkpointing=shape.activation_checkpointing)
+
+
+Stage = tuple[tuple[str, str], int, StepTrace]
+
+
+def _build(source: ModelSource, shape: StepShape) -> nn.Module:
+    """The model in the step's dtype: built under that default dtype (fake tensors cannot be converted)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(shape.dtype)
+    try:
+        return source.build()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _elements(modules: list[nn.Module]) -> int:
+    seen = {id(p): p.numel() for m in modules for p in m.parameters()}
+    return sum(seen.values())
+
+
+def _whole_model(model: nn.Module, inputs: dict[str, Any]) -> Stage:
+    held: list[Any] = []
+
+    def run() -> Any:
+        out = model(**inputs)
+        held.append(out)  # the script holds the model's output (its logits) until its step function returns
+        loss = getattr(out, "loss", None)
+        if loss is not None:
+            return loss
+        value = out if isinstance(out, torch.Tensor) else out[0]
+        return value.float().mean()
+
+    names = [n for n, _ in model.named_children()]
+    trace = trace_step(run, [model])
+    held.clear()
+    return (names[0], names[-1]), _elements([model]), trace
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """Checkpoint each block of the model's block list (its largest ``nn.ModuleList``), as a script does with
+    ``smp.set_activation_checkpointing(block)`` for each block after wrapping."""
+    from smp2ds.engine.core.activation_checkpointing import checkpoint_forward
+
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no block list (nn.ModuleList) to checkpoint")
+    for block in max(lists, key=lambda blocks: sum(p.numel() for p in blocks.parameters())):
+        checkpoint_forward(block)
+
+
+def _call(entry: Any, x: Any, built: dict[str, nn.Module]) -> Any:
+    from deepspeed.pipe import TiedLayerSpec
+
+    if isinstance(entry, TiedLayerSpec):
+        if entry.key not in built:
+            built[entry.key] = entry.build()
+        return entry.forward_fn(built[entry.key], x) if entry.forward_fn else built[entry.key](x)
+    return entry(x)
+
+
+def _stage_input(x: Any) -> Any:
+    def own(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.detach().clone()
+        return t.requires_grad_() if t.is_floating_point() else t
+
+    return tuple(own(t) for t in x) if isinstance(x, tuple) else own(x)
+
+
+def _pipeline_stages(model: nn.Module, inputs: dict[str, Any], shape: StepShape) -> list[Stage]:
+    """Each stage traced in order; a stage's traced output is the next stage's input, and a stage of the same
+    layer classes, place and input shapes as one already traced reuses its trace (a middle stage of blocks)."""
+    from smp2ds.engine.pipeline.layers import build_layer_list
+    from smp2ds.engine.pipeline.partition_plan import plan_partition
+
+    layer_list = build_layer_list(model)
+    plan = plan_partition(layer_list, shape.pipeline_stages, memory_weight=shape.memory_weight)
+    layers = layer_list.layers
+    built: dict[str, nn.Module] = {}
+    out: list[Stage] = []
+    cache: dict[tuple, tuple[StepTrace, Any]] = {}
+    last = len(layers) - 1
+    x = layer_list.adapter.pipe_inputs((), inputs)
+    for info in plan.stages:
+        stage_layers = layers[info.start:info.stop]
+        key = (info.start == 0, info.stop - 1 == last, _signature(x),
+               tuple(type(layer.entry).__name__ for layer in stage_layers))
+        modules = [m for layer in stage_layers for m in layer.modules]
+        if key not in cache:
+            produced: list[Any] = []
+            run = _stage_run(layer_list, inputs, x, info.start, info.stop, built, produced)
+            trace = trace_step(run, modules)
+            cache[key] = (trace, produced[0] if produced and info.stop - 1 != last else None)
+            produced.clear()
+        trace, x = cache[key]
+        out.append(((stage_layers[0].name, stage_layers[-1].name), _elements(modules), trace))
+    return out
+
+
+def _signature(x: Any) -> tuple:
+    items = x if isinstance(x, tuple) else (x,)
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__ for t in items)
+
+
+def _detached(x: Any) -> Any:
+    def own(t: Any) -> Any:
+        return t.detach() if isinstance(t, torch.Tensor) else t
+
+    return tuple(own(t) for t in x) if isinstance(x, tuple) else own(x)
+
+
+def _stage_run(layer_list: Any, inputs: dict[str, Any], first_input: Any, start: int, stop: int,
+               built: dict[str, nn.Module], produced: list[Any]) -> Any:
+    """The stage's forward for the tracer; a stage before the last records its output (the next one's input)."""
+    layers = layer_list.layers
+    last = len(layers) - 1
+
+    def run() -> Any:
+        x = _stage_input(first_input)
+        for i in range(start, stop):
+            x = _call(layers[i].entry, x, built)
+        if stop - 1 == last:
+            result = layer_list.adapter.make_output(x, (), inputs)
+            produced.append(result)  # the output (logits) stays alive through the backward, as the script holds it
+            return result.loss if getattr(result, "loss", None) is not None else result
+        produced.append(_detached(x))
+        return x
+
+    return run

@@ -1,0 +1,82 @@
+"""``smp2ds explain --memory`` and ``--fit``: the per-role peak, the verdict, the layouts that fit, and the errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from smp2ds.translator.cli import main
+
+GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_embd": 64, "n_head": 4,
+        "vocab_size": 1000, "n_positions": 64}
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> tuple[str, str]:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(GPT2))
+    smp = tmp_path / "smp.json"
+    smp.write_text(json.dumps({"pipeline_parallel_degree": 2, "partitions": 2, "microbatches": 2, "ddp": True}))
+    return str(smp), str(tmp_path / "model")
+
+
+def test_memory_prints_each_stage_and_the_verdict(files, capsys):
+    smp, model = files
+    argv = ["explain", smp, "--model", model, "--memory", "--world-size", "2", "--batch-size", "4"]
+    assert main([*argv, "--gpu-memory", "64MiB"]) == 0
+    text = capsys.readouterr().out
+    assert "stage 0" in text and "stage 1" in text and "micro-batch 2 x 64 tokens" in text
+    assert "sequence from the model's maximum positions" in text and "does NOT fit on 64MiB" in text
+    assert main([*argv, "--gpu-memory", "80GiB", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["micro_batches_in_flight"] for r in report["roles"]] == [2, 1]
+    assert report["device"]["fits"] is True and report["peak"] == max(r["total"] for r in report["roles"])
+    assert {f["name"] for f in report["roles"][0]["formulas"]} == {"Adam moments", "all-reduce bucket"}
+
+
+def test_sequence_and_batch_come_from_the_estimators_hyperparameters(tmp_path, files, capsys):
+    _, model = files
+    estimator = tmp_path / "estimator.json"
+    estimator.write_text(json.dumps({"hyperparameters": {"max_context_width": 32, "train_batch_size": 2},
+                                     "distribution": {"mpi": {"enabled": True, "processes_per_host": 1},
+                                                      "smdistributed": {"modelparallel": {
+                                                          "enabled": True,
+                                                          "parameters": {"ddp": True, "microbatches": 1}}}}}))
+    assert main(["explain", str(estimator), "--model", model, "--memory", "--world-size", "1",
+                 "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["seq_len"] == 32 and report["seq_len_source"] == "hyperparameters.max_context_width"
+    assert report["batch_per_rank"] == 2 and report["batch_source"] == "hyperparameters.train_batch_size"
+
+
+def test_fit_proposes_layouts_that_fit_best_first(files, capsys):
+    smp, model = files
+    argv = ["explain", smp, "--model", model, "--world-size", "2", "--batch-size", "4", "--seq-len", "64"]
+    assert main([*argv, "--fit", "3GiB", "--format", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["fitting"] and found["layouts_tried"] >= len(found["fitting"])
+    assert all(item["peak"] <= found["usable_bytes"] for item in found["fitting"])
+    sent = [item["bytes_per_rank"] for item in found["fitting"] if not item["activation_checkpointing"]]
+    assert sent == sorted(sent)
+    # ZeRO-1's 5e8-element bucket (about 1.9 GiB in fp32) does not fit a 1.5 GiB device: only DDP layouts remain
+    assert main([*argv, "--fit", "1.5GiB", "--format", "json"]) == 0
+    small = json.loads(capsys.readouterr().out)
+    assert small["fitting"] and not any(i["smp_parameters"].get("shard_optimizer_state") for i in small["fitting"])
+    assert main([*argv, "--fit", "1MiB"]) == 0
+    assert "none fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--memory"], "--memory needs --model"),
+    (["--memory", "--model", "MODEL"], "--memory needs the per-rank batch"),
+    (["--memory", "--model", "MODEL", "--batch-size", "4", "--gpu-memory", "tpu"], "known GPU"),
+    (["--memory", "--model", "nowhere:build", "--batch-size", "4"], "cannot load"),
+])
+def test_mistakes_are_usage_errors_naming_the_flag(files, capsys, extra, message):
+    smp, model = files
+    argv = ["explain", smp, "--world-size", "2", *[model if a == "MODEL" else a for a in extra]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

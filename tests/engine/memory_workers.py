@@ -1,0 +1,120 @@
+"""Rank bodies and rows for the measured-versus-estimated memory checks (tests and ``bench/memory_estimate_accuracy``).
+
+`measured_peak` runs two real training steps of the engine on one rank under
+``smp2ds.engine.memory.measure.LiveTensorBytes`` (started before the model is built, so DeepSpeed's copies, buckets
+and optimizer state are counted as they are allocated) and returns the rank's peak bytes of live tensors.
+`estimated_roles` is what ``smp2ds explain --memory`` computes for the same row.
+
+Two corrections make the measurement the device's figure:
+* with pipelines the script builds the whole model on every rank and DeepSpeed's pipeline module moves only the
+  stage's layers to the device; the other stages' parameters (host memory on a GPU machine) are subtracted;
+* the garbage collector runs before each step and not during it: under a Python dispatch mode (this counter, or
+  PyTorch's ``MemTracker``) with automatic collection, DeepSpeed's previous ZeRO-1 gradient buffer was sometimes
+  still alive when the next one was allocated, doubling a 2 GB buffer at random; without a dispatch mode it was
+  freed at once in every run we checked, and with collection only between steps in every run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import resource
+from typing import Any
+
+SEQ, BATCH = 128, 4
+CONFIGS: dict[str, dict[str, Any]] = {
+    "gpt2": {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 4, "n_embd": 256, "n_head": 4,
+             "vocab_size": 4096, "n_positions": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "hidden_size": 256,
+              "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096,
+              "max_position_embeddings": 256},
+    "bert": {"model_type": "bert", "architectures": ["BertForMaskedLM"], "num_hidden_layers": 4, "hidden_size": 256,
+             "intermediate_size": 1024, "num_attention_heads": 4, "vocab_size": 4096, "max_position_embeddings": 256,
+             "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+}
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "ddp": {"ddp": True, "microbatches": 2},
+    "zero1": {"ddp": True, "microbatches": 2, "shard_optimizer_state": True},
+    "pp2": {"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 4, "partitions": 2},
+    "tp2": {"ddp": True, "tensor_parallel_degree": 2, "microbatches": 2},
+}
+
+
+def write_config(family: str, path: str) -> str:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(CONFIGS[family], fh)
+    return path
+
+
+def _blocks(model: Any) -> list:
+    lists = [m for m in model.modules() if type(m).__name__ == "ModuleList" and len(m)]
+    return list(max(lists, key=lambda blocks: sum(p.numel() for p in blocks.parameters())))
+
+
+def _params(layout: str | dict[str, Any]) -> dict[str, Any]:
+    return dict(LAYOUTS[layout]) if isinstance(layout, str) else dict(layout)
+
+
+def measured_peak(family: str, layout: str | dict[str, Any], ckpt: bool, config_path: str) -> dict[str, Any]:
+    """This rank's measured peak for the row (run on every rank of a 2-rank world); ``layout`` names a row of
+    `LAYOUTS` or is the SMP parameters themselves."""
+    import torch
+    import transformers
+
+    import smdistributed.modelparallel.torch as smp
+    from smp2ds.engine.memory.measure import LiveTensorBytes
+
+    params = _params(layout)
+    smp.init(params)
+    with open(config_path, encoding="utf-8") as fh:
+        config = json.load(fh)
+    cls = getattr(transformers, config["architectures"][0])
+    hf = transformers.AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items()
+                                                                     if k != "model_type"})
+    torch.manual_seed(0)
+    counter = LiveTensorBytes()
+    with counter:
+        with smp.model_creation(tensor_parallelism=params.get("tensor_parallel_degree", 1) > 1):
+            built = cls(hf)
+        model = smp.DistributedModel(built)
+        held = {id(p) for p in model.local_parameters()}
+        off_stage = sum(p.numel() * p.element_size() for p in built.parameters() if id(p) not in held)
+        del built
+        if ckpt:
+            for block in _blocks(model):
+                smp.set_activation_checkpointing(block)
+        optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
+        ids = torch.randint(0, config["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(smp.rank()))
+
+        @smp.step
+        def train_step(model: Any, ids: Any) -> Any:
+            out = model(input_ids=ids, labels=ids)
+            model.backward(out.loss)
+            return out.loss
+
+        for _ in range(2):
+            gc.collect()
+            gc.disable()
+            try:
+                optimizer.zero_grad(set_to_none=True)
+                train_step(model, ids)
+                optimizer.step()
+            finally:
+                gc.enable()
+    return {"rank": smp.rank(), "pp_rank": smp.pp_rank(), "tp_rank": smp.tp_rank(),
+            "measured": counter.peak - off_stage, "off_stage": off_stage,
+            "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def estimated_roles(layout: str | dict[str, Any], ckpt: bool, config_path: str, world: int = 2) -> list[dict[str, Any]]:
+    """``smp2ds explain --memory``'s roles for the row, as dicts."""
+    from smp2ds.engine.memory import estimate_memory, load_model_source
+    from smp2ds.engine.memory.layout import step_shape
+    from smp2ds.translator.normalize import normalize
+    from smp2ds.translator.plan_types import Layout
+    from smp2ds.translator.planner import plan
+
+    lay = Layout(world_size=world)
+    result = plan(normalize(_params(layout), lay), lay)
+    shape = step_shape(result, batch_per_rank=BATCH, seq_len=SEQ, activation_checkpointing=ckpt)
+    return [r.to_dict() for r in estimate_memory(load_model_source(config_path), shape).roles]

@@ -1,0 +1,26 @@
+"""``smp2ds explain --memory`` against the measured peak of real training steps on two CPU ranks.
+
+Each rank runs the engine for two steps under a counter of live tensor storages (``tests/engine/memory_workers``,
+independent of the tracer the estimate uses); its peak must be within 10 % of the estimate for its role. Rows:
+a pipeline with two micro-batches in flight on its first stage, and tensor parallelism with activation
+checkpointing (the full table is ``bench/memory_estimate_accuracy.py``'s).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._dist import run_ranks
+from tests.engine import memory_workers as rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,layout,ckpt", [("gpt2", "pp2", False), ("llama", "tp2", True)])
+def test_estimate_is_within_ten_percent_of_the_measured_peak_of_every_rank(tmp_path, family, layout, ckpt):
+    path = rows.write_config(family, str(tmp_path / f"{family}.json"))
+    roles = rows.estimated_roles(layout, ckpt, path)
+    measured = run_ranks(rows.measured_peak, 2, family, layout, ckpt, path)
+    assert len({m["pp_rank"] for m in measured}) == len(roles)  # every role measured
+    for m in measured:
+        estimate = roles[m["pp_rank"]]["total"]
+        assert abs(estimate / m["measured"] - 1) < 0.10, (m, estimate)

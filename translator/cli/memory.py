@@ -1,0 +1,254 @@
+"""``smp2ds explain FILE --model MODEL --memory`` and ``--fit SIZE``: will a step fit, and which layouts do.
+
+``--memory`` prints each rank role's peak for one training step (``smp2ds.engine.memory``: the model traced on
+fake tensors, plus DeepSpeed's model states by formula) and, with ``--gpu-memory``, the verdict. ``--fit`` searches
+the layouts the world size allows (pipeline and tensor-parallel degrees, micro-batches, optimizer-state sharding,
+activation checkpointing), keeps those whose largest role fits, ranks them by the bytes each rank sends per step
+(``smp2ds.translator.estimate`` and ``tp_traffic``) and prints the SMP parameters to paste. Both import torch and
+transformers; nothing else in the CLI does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import UsageError
+
+SEQ_HYPERPARAMETERS = ("max_context_width", "seq_length", "max_seq_length", "seq_len", "block_size", "max_length")
+"""Hyperparameter names SMP-era scripts use for the sequence length, looked up in this order."""
+
+
+def add_memory_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the memory estimate (``--model`` and ``--seq-len`` are explain's own)."""
+    parser.add_argument("--memory", action="store_true",
+                        help="with --model: the peak memory of each rank role (pipeline stage x tp rank) for one "
+                        "training step, traced on fake tensors (parameters, gradients, optimizer state, activations, "
+                        "DeepSpeed's buckets, transient tensors); --model may also be a model directory or "
+                        "module:function")
+    parser.add_argument("--fit", metavar="SIZE", help="with --model: propose the layouts of this world size that "
+                        "fit a device of SIZE (80GiB, 40GB, h100, a100-40gb, ml.p4d.24xlarge), ranked by "
+                        "communication")
+    parser.add_argument("--gpu-memory", metavar="SIZE", help="with --memory: the device to judge against (as --fit)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="estimate with every transformer block checkpointed (smp.set_activation_checkpointing)")
+
+
+def wants_memory(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "memory", False) or getattr(args, "fit", None))
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """DeepSpeed and transformers print on import; stdout is the report (maybe JSON)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def _device(text: str | None) -> tuple[int, str] | None:
+    if text is None:
+        return None
+    from smp2ds.translator.device_memory import device_bytes
+
+    try:
+        return device_bytes(text)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _seq_len(args: argparse.Namespace, config: Any, source: Any) -> tuple[int, str]:
+    if args.seq_len:
+        return int(args.seq_len), "--seq-len"
+    for name in SEQ_HYPERPARAMETERS:
+        value = config.hyperparameters.get(name)
+        with contextlib.suppress(TypeError, ValueError):
+            if int(value) > 0:
+                return int(value), f"hyperparameters.{name}"
+    if source.default_seq_len:
+        return int(source.default_seq_len), "the model's maximum positions"
+    raise UsageError("--memory needs a sequence length: pass --seq-len, or set one of the hyperparameters "
+                     f"{', '.join(SEQ_HYPERPARAMETERS)}")
+
+
+def _batch(result: Any) -> tuple[int, str]:
+    batch = result.engine_settings.batch
+    if batch.per_rank_batch:
+        return int(batch.per_rank_batch), str(batch.source or "--batch-size")
+    raise UsageError("--memory needs the per-rank batch: pass --batch-size, or set hyperparameters.batch_size "
+                     "(or per_device_train_batch_size / train_batch_size) in the configuration")
+
+
+def _load(model: str) -> Any:
+    with _quiet_stdout():
+        from smp2ds.engine.memory import load_model_source
+
+        try:
+            return load_model_source(model)
+        except ValueError as err:
+            raise UsageError(f"--model {model}: {err}") from None
+
+
+def _estimate(source: Any, result: Any, batch: int, seq: int, ckpt: bool) -> Any:
+    with _quiet_stdout():
+        from smp2ds.engine.memory import estimate_memory
+        from smp2ds.engine.memory.layout import step_shape
+
+        try:
+            return estimate_memory(source, step_shape(result, batch_per_rank=batch, seq_len=seq,
+                                                      activation_checkpointing=ckpt))
+        except ValueError as err:
+            raise UsageError(f"--memory: {err}") from None
+
+
+def memory_report(args: argparse.Namespace, config: Any, result: Any) -> dict[str, Any]:
+    """The ``--memory`` figures as a JSON-ready dict."""
+    if not args.model:
+        raise UsageError("--memory needs --model (a config.json, a model directory or module:function)")
+    source = _load(args.model)
+    seq, seq_from = _seq_len(args, config, source)
+    batch, batch_from = _batch(result)
+    estimate = _estimate(source, result, batch, seq, args.activation_checkpointing)
+    out = {**estimate.to_dict(), "batch_per_rank": batch, "batch_source": batch_from, "seq_len_source": seq_from,
+           "tensor_parallel_degree": int(result.topology["tensor_parallel_degree"])}
+    device = _device(args.gpu_memory)
+    if device is not None:
+        out["device"] = _verdict(estimate, *device)
+    return out
+
+
+def _verdict(estimate: Any, size: int, label: str) -> dict[str, Any]:
+    from smp2ds.engine.memory.estimate import ALLOCATOR_SHARE, CONTEXT_BYTES, usable_bytes
+
+    usable = usable_bytes(size)
+    return {"device": label, "bytes": size, "usable_bytes": usable, "context_bytes": CONTEXT_BYTES,
+            "allocator_share": ALLOCATOR_SHARE, "fits": estimate.peak <= usable,
+            "headroom_bytes": usable - estimate.peak}
+
+
+def render_memory_text(report: Mapping[str, Any]) -> str:
+    """The per-role table for people."""
+    from .report import human_bytes, table
+
+    head = (f"peak memory of one training step: {report['model']}, micro-batch {report['micro_batch']} x "
+            f"{report['seq_len']} tokens ({report['dtype']}; batch per rank {report['batch_per_rank']} from "
+            f"{report['batch_source']}, sequence from {report['seq_len_source']}), activation checkpointing "
+            f"{'on' if report['activation_checkpointing'] else 'off'}\n")
+    rows = []
+    for role in report["roles"]:
+        tp = report["tensor_parallel_degree"]
+        rows.append([f"stage {role['stage']}" + (f" x tp 0..{tp - 1}" if tp > 1 else ""),
+                     f"{role['first_layer']} .. {role['last_layer']}",
+                     human_bytes(role["parameters"]), human_bytes(role["gradients"]), human_bytes(role["optimizer"]),
+                     f"{human_bytes(role['activations'])} ({role['micro_batches_in_flight']} mb)",
+                     human_bytes(role["buckets"]), human_bytes(role["transient"]), human_bytes(role["total"])])
+    parts = [head, table(["role", "layers", "params", "grads", "optimizer", "activations", "buckets", "transient",
+                          "peak"], rows)]
+    formulas = report["roles"][0]["formulas"]
+    if formulas:
+        parts.append("\nby formula (no tracer sees them), stage 0:\n" + "".join(
+            f"  {f['name']}: {human_bytes(f['bytes'])} - {f['reason']}\n" for f in formulas))
+    device = report.get("device")
+    if device:
+        verdict = "fits" if device["fits"] else "does NOT fit"
+        parts.append(f"\n{verdict} on {device['device']}: usable {human_bytes(device['usable_bytes'])} (less "
+                     f"{human_bytes(device['context_bytes'])} for the CUDA context and "
+                     f"{device['allocator_share']:.0%} for the allocator), peak {human_bytes(report['peak'])}, "
+                     f"headroom {human_bytes(device['headroom_bytes'])}\n")
+    return "".join(parts)
+
+
+# ---- --fit -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    params: dict[str, Any]
+    peak: int
+    bytes_per_rank: float
+    activation_checkpointing: bool
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _candidate_params(base: Mapping[str, Any], world: int, batch: int) -> Iterator[dict[str, Any]]:
+    keep = {k: v for k, v in base.items() if k not in (
+        "pipeline_parallel_degree", "partitions", "tensor_parallel_degree", "microbatches", "shard_optimizer_state",
+        "sharded_data_parallel_degree")}
+    for pp in _divisors(world):
+        for tp in _divisors(world // pp):
+            dp = world // (pp * tp)
+            micro = sorted({m for m in (1, pp, 2 * pp) if batch % m == 0 and (pp == 1 or m >= pp)})
+            for m in micro:
+                for shard in ([False, True] if dp > 1 else [False]):
+                    params = {**keep, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "microbatches": m,
+                              "ddp": True}
+                    if shard:
+                        params["shard_optimizer_state"] = True
+                    yield params
+
+
+def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) -> dict[str, Any]:
+    """Layouts of this world size that fit ``--fit``'s device, best first."""
+    from smp2ds.translator.estimate import estimate as traffic
+    from smp2ds.translator.normalize import normalize
+
+    if not args.model:
+        raise UsageError("--fit needs --model (a config.json, a model directory or module:function)")
+    size, label = _device(args.fit) or (0, "")
+    source = _load(args.model)
+    seq, _ = _seq_len(args, config, source)
+    batch, _ = _batch(result)
+    world = int(result.topology["world_size"])
+    from smp2ds.engine.memory.estimate import usable_bytes
+    from smp2ds.translator.planner import plan
+
+    usable = usable_bytes(size)
+    fitting: list[Candidate] = []
+    tried = 0
+    for params in _candidate_params(config.params, world, batch):
+        for ckpt in (False, True):
+            try:
+                candidate_plan = plan(normalize(params, layout), layout)
+                estimate = _estimate(source, candidate_plan, batch, seq, ckpt)
+            except (UsageError, ValueError):
+                continue
+            tried += 1
+            if estimate.peak <= usable:
+                tp = int(candidate_plan.topology["tensor_parallel_degree"])
+                n_params = sum(r.elements for r in estimate.roles) * tp
+                scheme = traffic(candidate_plan, max(n_params, 1))
+                sent = float(scheme["schemes"][scheme["selected"]]["bytes_per_rank"])
+                fitting.append(Candidate(params=params, peak=estimate.peak, bytes_per_rank=sent,
+                                         activation_checkpointing=ckpt))
+                break  # without checkpointing it fits: checkpointing only costs recomputation
+    fitting.sort(key=lambda c: (c.activation_checkpointing, c.bytes_per_rank, c.peak))
+    return {"device": label, "usable_bytes": usable, "world_size": world, "batch_per_rank": batch, "seq_len": seq,
+            "layouts_tried": tried,
+            "fitting": [{"smp_parameters": c.params, "peak": c.peak, "bytes_per_rank": c.bytes_per_rank,
+                         "activation_checkpointing": c.activation_checkpointing} for c in fitting]}
+
+
+def render_fit_text(report: Mapping[str, Any], limit: int = 5) -> str:
+    """The best layouts, with the SMP parameters to paste."""
+    import json
+
+    from .report import human_bytes
+
+    head = (f"layouts of {report['world_size']} ranks that fit {report['device']} (usable "
+            f"{human_bytes(report['usable_bytes'])}), batch per rank {report['batch_per_rank']} x "
+            f"{report['seq_len']} tokens: {len(report['fitting'])} of {report['layouts_tried']} tried\n")
+    if not report["fitting"]:
+        return head + "none fits: more ranks, a shorter sequence or a smaller per-rank batch\n"
+    lines = [head]
+    for i, item in enumerate(report["fitting"][:limit], 1):
+        lines.append(f"\n{i}. peak {human_bytes(item['peak'])}, sends {human_bytes(item['bytes_per_rank'])} per rank "
+                     f"and step" + (", with activation checkpointing on every block" if
+                                    item["activation_checkpointing"] else "") + "\n")
+        lines.append("   " + json.dumps(item["smp_parameters"], sort_keys=True) + "\n")
+    return "".join(lines)
