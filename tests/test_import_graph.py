@@ -290,7 +290,12 @@ def test_no_import_cycles(graph, package):
 # `smp2ds checkpoint` reads checkpoints (torch files) the same way: one import, inside the command function.
 _OPT_IN_ENGINE_IMPORTS = {("smp2ds.translator.cli.explain", "smp2ds.engine.pipeline.explain"),
                           ("smp2ds.translator.cli.checkpoint", "smp2ds.engine.checkpoint_tools.commands"),
-                          ("smp2ds.translator.cli.checkpoint", "smp2ds.engine.exceptions")}
+                          ("smp2ds.translator.cli.checkpoint", "smp2ds.engine.exceptions"),
+                          # `explain --memory` / `--fit`, `validate --model`, `doctor --model`: the memory estimate
+                          # traces the model through the engine (cli/memory.py, inside the functions serving them)
+                          ("smp2ds.translator.cli.memory", "smp2ds.engine.memory"),
+                          ("smp2ds.translator.cli.memory", "smp2ds.engine.memory.layout"),
+                          ("smp2ds.translator.cli.memory", "smp2ds.engine.memory.estimate")}
 
 
 def test_translator_never_imports_engine_torch_or_deepspeed(graph):
@@ -361,6 +366,9 @@ LAYERS: dict[str, set[str]] = {
     # tensor-parallel shard specs
     "optimizers": {"exceptions", "core", "nn"},
     "script_utils": {"exceptions", "core", "nn"},
+    # the memory estimate (`smp2ds explain --memory`, offline): traces a model cut the way the parallelism
+    # packages cut it (tensor_parallel's sharding, pipeline's layer list); nothing imports it but the CLI
+    "memory": {"exceptions", "core", "nn", "tensor_parallel", "pipeline"},
 }
 TOP = {"smp2ds.engine", "smp2ds.engine.creation"}
 """Modules above every package: the public ``smp.*`` surface, which gathers the parallelism packages."""

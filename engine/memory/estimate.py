@@ -17,10 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from smp2ds.engine.core.activation_checkpointing import checkpoint_forward
 from smp2ds.engine.memory.model_source import ModelSource
 from smp2ds.engine.memory.model_states import StatePart, model_states
 from smp2ds.engine.memory.step_trace import StepTrace, trace_step
 from smp2ds.engine.memory.tensor_parallel import fake_group, shard
+from smp2ds.engine.pipeline.layers import build_layer_list
+from smp2ds.engine.pipeline.partition_plan import plan_partition
 
 GIB = 1 << 30
 CONTEXT_BYTES = 1 * GIB
@@ -203,8 +206,6 @@ def _whole_model(model: nn.Module, inputs: dict[str, Any]) -> Stage:
 def checkpoint_blocks(model: nn.Module) -> None:
     """Checkpoint each block of the model's block list (its largest ``nn.ModuleList``), as a script does with
     ``smp.set_activation_checkpointing(block)`` for each block after wrapping."""
-    from smp2ds.engine.core.activation_checkpointing import checkpoint_forward
-
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         raise ValueError(f"{type(model).__name__} has no block list (nn.ModuleList) to checkpoint")
@@ -235,9 +236,6 @@ def _stage_input(x: Any) -> Any:
 def _pipeline_stages(model: nn.Module, inputs: dict[str, Any], shape: StepShape) -> list[Stage]:
     """Each stage traced in order; a stage's traced output is the next stage's input, and a stage of the same
     layer classes, place and input shapes as one already traced reuses its trace (a middle stage of blocks)."""
-    from smp2ds.engine.pipeline.layers import build_layer_list
-    from smp2ds.engine.pipeline.partition_plan import plan_partition
-
     layer_list = build_layer_list(model)
     plan = plan_partition(layer_list, shape.pipeline_stages, memory_weight=shape.memory_weight)
     layers = layer_list.layers

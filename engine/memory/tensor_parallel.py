@@ -18,6 +18,11 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from smp2ds.engine.nn.parallel.group import TPGroup
+from smp2ds.engine.nn.parallel.marks import set_tensor_parallelism
+from smp2ds.engine.tensor_parallel import registry
+from smp2ds.engine.tensor_parallel.families import RULES, blocks
+
 
 @contextlib.contextmanager
 def fake_group(size: int) -> Iterator[object]:
@@ -37,13 +42,7 @@ def fake_group(size: int) -> Iterator[object]:
 
 def shard(model: nn.Module, handle: object, size: int, prescaled_batch: bool) -> None:
     """Mark the whole model and shard it as ``smp.DistributedModel`` would; ValueError when nothing is cut."""
-    from smp2ds.engine.nn.parallel.group import TPGroup
-    from smp2ds.engine.nn.parallel.marks import set_tensor_parallelism
-    from smp2ds.engine.tensor_parallel import registry
-
     group = TPGroup(handle=handle, rank=0, size=size, ranks=tuple(range(size)), prescaled_batch=prescaled_batch)
-    from smp2ds.engine.tensor_parallel.families import RULES, blocks
-
     if not list(blocks(model)):
         raise ValueError(f"the memory estimate under tensor parallelism covers models whose blocks the engine shards "
                          f"in place ({', '.join(sorted(RULES))}); {type(model).__name__} has none")

@@ -13,7 +13,8 @@ from smp2ds.translator.cli import COMMANDS, build_parser
 SNAPSHOT: dict[str, dict[str, object]] = {
     "smp2ds": {"options": ["--version", "-h/--help"], "positionals": ["COMMAND"]},
     "validate": {
-        "options": ["--format{json,text}=text", "--world-size", "-h/--help"],
+        "options": ["--batch-size", "--format{json,text}=text", "--gpu-memory", "--model", "--seq-len", "--world-size",
+                    "-h/--help"],
         "positionals": ["FILE"],
     },
     "convert": {
@@ -80,7 +81,8 @@ SNAPSHOT: dict[str, dict[str, object]] = {
         "options": ["--format{json,text}=text", "--path", "--print", "--vscode", "-h/--help"],
         "positionals": [],
     },
-    "doctor": {"options": ["--config", "--format{json,text}=text", "--nodes/--nnodes", "--world-size", "-h/--help"],
+    "doctor": {"options": ["--batch-size", "--config", "--format{json,text}=text", "--model", "--nodes/--nnodes",
+                           "--seq-len", "--world-size", "-h/--help"],
                "positionals": []},
     "checkpoint": {"options": ["-h/--help"], "positionals": ["ACTION"]},
     "checkpoint inspect": {"options": ["--format{json,text}=text", "--tag", "-h/--help"], "positionals": ["PATH"]},

@@ -80,3 +80,38 @@ def test_mistakes_are_usage_errors_naming_the_flag(files, capsys, extra, message
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_validate_warns_when_a_step_does_not_fit_the_device(files, capsys, monkeypatch):
+    smp, model = files
+    monkeypatch.delenv("SMP2DS_GPU_MEMORY", raising=False)
+    argv = ["validate", smp, "--world-size", "2", "--batch-size", "4", "--model", model]
+    assert main([*argv, "--gpu-memory", "64MiB"]) == 0  # still valid: the layout runs, on a bigger device
+    out = capsys.readouterr().out
+    assert "warning: one training step does not fit: peak" in out and "--fit SIZE" in out
+    assert main([*argv, "--gpu-memory", "80GiB", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["memory"].startswith("fits: peak") and not report["warnings"]
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: no visible GPU to compare with
+    assert main(argv) == 2
+    assert "no GPU is visible here; pass --gpu-memory" in capsys.readouterr().err
+
+
+def test_doctor_checks_the_step_against_the_visible_gpu(files, capsys, monkeypatch):
+    smp, model = files
+    monkeypatch.setenv("SMP2DS_NUM_GPUS", "2")
+    argv = ["doctor", "--config", smp, "--world-size", "2", "--model", model, "--batch-size", "4", "--format", "json"]
+    monkeypatch.setenv("SMP2DS_GPU_MEMORY", "64MiB")
+    main(argv)
+    memory = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["check"] == "memory"]
+    assert memory and memory[0]["status"] == "warn" and "does not fit" in memory[0]["detail"]
+    assert "--fit SIZE" in memory[0]["fix"]
+    monkeypatch.setenv("SMP2DS_GPU_MEMORY", "80GiB")
+    main(argv)
+    memory = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["check"] == "memory"]
+    assert memory[0]["status"] == "ok" and "SMP2DS_GPU_MEMORY" in memory[0]["detail"]
+    monkeypatch.delenv("SMP2DS_GPU_MEMORY")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    main(argv)
+    memory = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["check"] == "memory"]
+    assert memory[0]["status"] == "info" and "no GPU visible" in memory[0]["detail"]

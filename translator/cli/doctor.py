@@ -38,6 +38,12 @@ def doctor_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("--nnodes", "--nodes", dest="nodes", type=positive_int, metavar="N",
                         help="nodes the job runs on, each like this one (as launch --nnodes; --nodes is the older "
                         "spelling; default: the estimator's instance_count, else 1)")
+    parser.add_argument("--model", metavar="MODEL",
+                        help="with --config: check that one training step of this model (config.json, model "
+                        "directory or module:function) fits the first visible GPU (or SMP2DS_GPU_MEMORY); the batch "
+                        "and sequence come from the hyperparameters, --batch-size and --seq-len")
+    parser.add_argument("--batch-size", type=positive_int, metavar="B", help="with --model: the per-rank batch")
+    parser.add_argument("--seq-len", type=positive_int, metavar="S", help="with --model: tokens per sample")
     add_format_arg(parser)
     parser.set_defaults(handler=doctor_command)
     return parser
@@ -173,7 +179,37 @@ def _config(args: argparse.Namespace, env: dict[str, str],
     findings += rules.check_layout(int(topo["world_size"]), int(topo["ranks_per_node"]), machine, nodes)
     findings += [rules.Finding("placement", "warn", remark.removeprefix("warning: "), "")
                  for remark in result.remarks if remark.startswith("warning: placement_strategy")]
+    if args.model:
+        findings.append(_memory_fit(args, config, result))
     return findings, result.deepspeed
+
+
+def _memory_fit(args: argparse.Namespace, config: Any, result: Any) -> rules.Finding:
+    """``--model``: one training step of the model on this machine's first GPU (explain --memory's estimate)."""
+    from smp2ds.translator.plan_types import Layout
+    from smp2ds.translator.planner import plan
+
+    from . import UsageError
+    from .machine import detect_gpu_memory
+    from .memory import fit_warning
+
+    device = detect_gpu_memory()
+    if device is None:
+        return rules.Finding("memory", "info", "no GPU visible: the memory of one step of --model was not checked "
+                             "(SMP2DS_GPU_MEMORY=80GiB checks against a size)")
+    if args.batch_size:
+        topo = result.topology
+        result = plan(config, Layout(world_size=int(topo["world_size"]), gpus_per_node=int(topo["ranks_per_node"]),
+                                     batch_size=args.batch_size))
+    try:
+        fits, line = fit_warning(args.model, config, result, device, seq_len=args.seq_len)
+    except UsageError as err:
+        return rules.Finding("memory", "warn", f"not checked: {err}")
+    if fits:
+        return rules.Finding("memory", "ok", line)
+    return rules.Finding("memory", "warn", f"one training step does not fit: {line}",
+                         f"smp2ds explain {args.config or 'FILE'} --model {args.model} --fit SIZE proposes layouts "
+                         "that fit")
 
 
 def _int(text: str | None) -> int | None:

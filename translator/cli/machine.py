@@ -44,6 +44,42 @@ def detect_gpus() -> int:
     return count
 
 
+def detect_gpu_memory() -> tuple[int, str] | None:
+    """(bytes, label) of the first visible GPU's memory, without importing torch; None without a GPU.
+
+    ``SMP2DS_GPU_MEMORY`` overrides (a size such as ``80GiB`` or a GPU name, for a dry run on a login node);
+    otherwise ``nvidia-smi --query-gpu=memory.total`` of the first device ``CUDA_VISIBLE_DEVICES`` lets us see.
+    """
+    from smp2ds.translator.device_memory import MIB, device_bytes
+
+    forced = os.environ.get("SMP2DS_GPU_MEMORY", "").strip()
+    if forced:
+        try:
+            size, label = device_bytes(forced)
+        except ValueError as err:
+            from smp2ds.translator.issues import InputError
+
+            raise InputError(f"environment variable SMP2DS_GPU_MEMORY={forced!r}: {err}") from None
+        return size, f"{label} (SMP2DS_GPU_MEMORY)"
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None or detect_gpus() == 0:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    sizes = [int(line.strip()) for line in out.stdout.splitlines() if line.strip().isdigit()]
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip().isdigit()]
+    index = int(visible[0]) if visible else 0
+    if index >= len(sizes):
+        return None
+    return sizes[index] * MIB, f"GPU {index} ({sizes[index]} MiB, nvidia-smi)"
+
+
 def free_port() -> int:
     """A TCP port that is free on this host right now (one node only: no shared port needed)."""
     import socket

@@ -49,7 +49,8 @@ def _quiet_stdout() -> Iterator[None]:
         yield
 
 
-def _device(text: str | None) -> tuple[int, str] | None:
+def device_from_flag(text: str | None) -> tuple[int, str] | None:
+    """(bytes, label) of a ``--gpu-memory`` / ``--fit`` value; a UsageError naming what is allowed."""
     if text is None:
         return None
     from smp2ds.translator.device_memory import device_bytes
@@ -114,10 +115,28 @@ def memory_report(args: argparse.Namespace, config: Any, result: Any) -> dict[st
     estimate = _estimate(source, result, batch, seq, args.activation_checkpointing)
     out = {**estimate.to_dict(), "batch_per_rank": batch, "batch_source": batch_from, "seq_len_source": seq_from,
            "tensor_parallel_degree": int(result.topology["tensor_parallel_degree"])}
-    device = _device(args.gpu_memory)
+    device = device_from_flag(args.gpu_memory)
     if device is not None:
         out["device"] = _verdict(estimate, *device)
     return out
+
+
+def fit_warning(model: str, config: Any, result: Any, device: tuple[int, str], *, seq_len: int | None = None,
+                activation_checkpointing: bool = False) -> tuple[bool, str]:
+    """(fits, one line) for ``validate --model`` and ``doctor --model``: the layout's largest role against
+    ``device``. UsageError when the step cannot be sized (no batch, no sequence length, a layout not estimated)."""
+    source = _load(model)
+    args = argparse.Namespace(seq_len=seq_len)
+    seq, _ = _seq_len(args, config, source)
+    batch, _ = _batch(result)
+    estimate = _estimate(source, result, batch, seq, activation_checkpointing)
+    verdict = _verdict(estimate, *device)
+    from .report import human_bytes
+
+    worst = max(estimate.roles, key=lambda role: role.total)
+    line = (f"peak {human_bytes(estimate.peak)} (stage {worst.stage}, batch {batch} x {seq} tokens) against "
+            f"{human_bytes(verdict['usable_bytes'])} usable on {verdict['device']}")
+    return bool(verdict["fits"]), line
 
 
 def _verdict(estimate: Any, size: int, label: str) -> dict[str, Any]:
@@ -200,7 +219,7 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
 
     if not args.model:
         raise UsageError("--fit needs --model (a config.json, a model directory or module:function)")
-    size, label = _device(args.fit) or (0, "")
+    size, label = device_from_flag(args.fit) or (0, "")
     source = _load(args.model)
     seq, _ = _seq_len(args, config, source)
     batch, _ = _batch(result)

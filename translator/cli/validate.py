@@ -18,6 +18,7 @@ from . import (
     add_layout_args,
     command_parser,
     layout_from_args,
+    positive_int,
     source_name,
     write_stdout,
 )
@@ -28,7 +29,15 @@ def validate_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     description = "Check an SMP configuration and print every problem with its JSON pointer."
     parser = command_parser(subparsers, "validate", description)
     add_file_arg(parser)
-    add_layout_args(parser, gpus=False, batch=False)
+    add_layout_args(parser, gpus=False, batch=True)
+    parser.add_argument("--model", metavar="MODEL",
+                        help="also warn when one training step of this model (config.json, model directory or "
+                        "module:function) does not fit the GPU: --gpu-memory, else the first visible one "
+                        "(imports torch and transformers; see smp2ds explain --memory)")
+    parser.add_argument("--gpu-memory", metavar="SIZE", help="with --model: the device (80GiB, h100, ...)")
+    parser.add_argument("--seq-len", type=positive_int, metavar="S",
+                        help="with --model: tokens per sample (default: the hyperparameters, else the model's "
+                        "maximum)")
     add_format_arg(parser)
     parser.set_defaults(handler=validate_command)
     return parser
@@ -49,7 +58,7 @@ def validate_command(args: argparse.Namespace) -> int:
         doc = load_document(args.file)
         issues = list(validate(doc, layout))
         if not issues:
-            issues, warnings, summary = _planned(doc, layout)
+            issues, warnings, summary = _planned(doc, layout, args)
     except SMPConfigError as err:  # malformed JSON, duplicate keys, or normalize's own checks
         issues = list(err.issues)
     if issues:
@@ -67,7 +76,7 @@ def validate_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _planned(doc: Any, layout: Any) -> tuple[list[Any], list[str], dict[str, Any]]:
+def _planned(doc: Any, layout: Any, args: argparse.Namespace) -> tuple[list[Any], list[str], dict[str, Any]]:
     """Plan the valid document once: what ``smp.init`` would refuse (keys the plan calls ``unsupported``, so
     "valid" means it will start), the plan's warnings (layouts that run, but slowly: see ``explain``) and the
     summary. Without a world size the plan is made for the smallest world the degrees allow, and its warnings,
@@ -90,7 +99,27 @@ def _planned(doc: Any, layout: Any) -> tuple[list[Any], list[str], dict[str, Any
     except SMPConfigError as err:
         return list(err.issues), [], {}
     warnings = [r for r in result.remarks if r.startswith("warning:")] if known else []
-    return [], warnings, _summary(config, None if known else smallest_world(config))
+    summary = _summary(config, None if known else smallest_world(config))
+    if args.model:
+        fits, line = _memory(args, config, result)
+        summary["memory"] = ("fits: " if fits else "does NOT fit: ") + line
+        if not fits:
+            warnings.append(f"warning: one training step does not fit: {line}; smp2ds explain FILE --model "
+                            f"{args.model} --fit SIZE proposes layouts that do")
+    return [], warnings, summary
+
+
+def _memory(args: argparse.Namespace, config: Any, result: Any) -> tuple[bool, str]:
+    """``--model``: the largest role's peak against ``--gpu-memory`` or the first visible GPU."""
+    from . import UsageError
+    from .machine import detect_gpu_memory
+    from .memory import device_from_flag, fit_warning
+
+    device = device_from_flag(args.gpu_memory) if args.gpu_memory else detect_gpu_memory()
+    if device is None:
+        raise UsageError("--model needs a device to compare with: no GPU is visible here; pass --gpu-memory SIZE "
+                         "(80GiB, h100, a100-40gb, ...)")
+    return fit_warning(args.model, config, result, device, seq_len=args.seq_len)
 
 
 def _summary(cfg: Any, smallest: int | None) -> dict[str, Any]:
