@@ -30,6 +30,12 @@ class ModelSource:
     make_inputs: Callable[[nn.Module, int, int], dict[str, Any]]
     hf_config: Mapping[str, Any] | None = None
 
+    def parameter_count(self) -> int:
+        """The whole model's parameters (built on the meta device: nothing allocated)."""
+        with torch.device("meta"):
+            model = self.build()
+        return sum(p.numel() for p in model.parameters())
+
     @property
     def default_seq_len(self) -> int | None:
         """The config's maximum positions, the sequence length when neither flag nor config gives one."""

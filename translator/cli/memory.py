@@ -4,8 +4,8 @@
 fake tensors, plus DeepSpeed's model states by formula) and, with ``--gpu-memory``, the verdict. ``--fit`` searches
 the layouts the world size allows (pipeline and tensor-parallel degrees, micro-batches, optimizer-state sharding,
 activation checkpointing), keeps those whose largest role fits, ranks them by the bytes each rank sends per step
-(``smp2ds.translator.estimate`` and ``tp_traffic``) and prints the SMP parameters to paste. Both import torch and
-transformers; nothing else in the CLI does.
+(``smp2ds.translator.estimate`` for the data-parallel traffic, ``tp_traffic`` for tensor parallelism's) and
+prints the SMP parameters to paste. Both import torch and transformers; nothing else in the CLI does.
 """
 
 from __future__ import annotations
@@ -228,6 +228,7 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
     from smp2ds.translator.planner import plan
 
     usable = usable_bytes(size)
+    n_params = source.parameter_count()  # the traffic model's scale: the whole model
     fitting: list[Candidate] = []
     tried = 0
     for params in _candidate_params(config.params, world, batch):
@@ -239,10 +240,9 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
                 continue
             tried += 1
             if estimate.peak <= usable:
-                tp = int(candidate_plan.topology["tensor_parallel_degree"])
-                n_params = sum(r.elements for r in estimate.roles) * tp
                 scheme = traffic(candidate_plan, max(n_params, 1))
                 sent = float(scheme["schemes"][scheme["selected"]]["bytes_per_rank"])
+                sent += _tensor_parallel_bytes(source.hf_config or {}, candidate_plan, batch, seq)
                 fitting.append(Candidate(params=params, peak=estimate.peak, bytes_per_rank=sent,
                                          activation_checkpointing=ckpt))
                 break  # without checkpointing it fits: checkpointing only costs recomputation
@@ -251,6 +251,24 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
             "layouts_tried": tried,
             "fitting": [{"smp_parameters": c.params, "peak": c.peak, "bytes_per_rank": c.bytes_per_rank,
                          "activation_checkpointing": c.activation_checkpointing} for c in fitting]}
+
+
+def _tensor_parallel_bytes(model_config: Mapping[str, Any], plan: Any, batch: int, seq: int) -> float:
+    """Bytes a rank sends per step for tensor parallelism's all-reduces (``translator/tp_traffic.py``), for a
+    Hugging Face config that names its layer count and hidden size; 0 without tensor parallelism."""
+    from smp2ds.translator.tp_traffic import tensor_parallel_traffic
+
+    tp = int(plan.topology["tensor_parallel_degree"])
+    layers = next((model_config[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in model_config), None)
+    hidden = next((model_config[k] for k in ("hidden_size", "n_embd", "d_model") if k in model_config), None)
+    if tp == 1 or not isinstance(layers, int) or not isinstance(hidden, int):
+        return 0.0
+    half = any(plan.deepspeed.get(k, {}).get("enabled") for k in ("fp16", "bf16"))
+    found = tensor_parallel_traffic(tp=tp, layers=layers, hidden=hidden, seq_len=seq, batch_per_rank=batch,
+                                    microbatches=int(plan.engine_settings.microbatches),
+                                    bytes_per_element=2 if half else 4,
+                                    prescaled_batch=plan.engine_settings.tensor_parallel.prescaled_batch)
+    return float(found["ring_bytes_per_rank_per_step"])
 
 
 def render_fit_text(report: Mapping[str, Any], limit: int = 5) -> str:
