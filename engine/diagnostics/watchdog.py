@@ -23,6 +23,7 @@ The timeout is ``SMP2DS_COMM_TIMEOUT`` seconds (default 300); ``0`` disables the
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import threading
@@ -35,6 +36,7 @@ from smp2ds.engine.diagnostics import stall
 
 RANK_LOST_EXIT_CODE = 75
 RELEASE_POLL_S = 0.02
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
 """How often the thread checks whether the collective call it holds has returned (see _release_finished_entry)."""
 DEFAULT_TIMEOUT_S = launch_env.COMM_TIMEOUT_DEFAULT_S
 
@@ -97,8 +99,8 @@ class Watchdog:
         is still executing and frees a finished one's locals, so polling it bounds the extra life of those
         tensors to ``RELEASE_POLL_S`` instead of a whole tick (measured: up to 20 % above a step's peak)."""
         entry = self._entry
-        if entry is None:
-            return
+        if entry is None or entry.f_code.co_flags & _SUSPENDABLE:
+            return  # a generator's frame (a context manager's body) suspended at a yield would be closed by clear()
         try:
             entry.clear()
         except RuntimeError:  # still executing: the wait goes on
