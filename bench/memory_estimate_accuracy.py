@@ -11,7 +11,8 @@ corrections they make to the measurement are explained there).
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python3 bench/memory_estimate_accuracy.py [--rows gpt2-ddp,llama-pp2-ckpt]
 
 ``--fit-check SIZE`` instead asks ``smp2ds explain --fit SIZE`` for the layouts of the seed configuration
-``examples/configs/bert_pipeline_000.json`` (two ranks, the bench's small BERT, per-rank batch 4 x 128 tokens) and
+``examples/configs/bert_pipeline_000.json`` (two ranks, the bench's small BERT, per-rank batch 12 x 128 tokens: its
+12 micro-batches of one sample) and
 measures the first one it proposes: the measured peak must stay within the device size it was asked for.
 """
 
@@ -30,8 +31,11 @@ from cpu_ranks import run  # noqa: E402
 from tests.engine import memory_workers as rows  # noqa: E402
 
 
-def _rank(rank: int, family: str, layout: str, ckpt: bool, path: str) -> dict:
-    return rows.measured_peak(family, layout, ckpt, path)
+def _rank(rank: int, family: str, layout: str, ckpt: bool, path: str, batch: int = rows.BATCH) -> dict:
+    return rows.measured_peak(family, layout, ckpt, path, batch)
+
+
+FIT_BATCH = 12
 
 
 def fit_check(size: str) -> None:
@@ -46,7 +50,7 @@ def fit_check(size: str) -> None:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             code = smp2ds(["explain", seed, "--model", path, "--fit", size, "--world-size", "2", "--batch-size",
-                           str(rows.BATCH), "--seq-len", str(rows.SEQ), "--format", "json"])
+                           str(FIT_BATCH), "--seq-len", str(rows.SEQ), "--format", "json"])
         found = json.loads(out.getvalue())
         if code or not found["fitting"]:
             raise SystemExit(f"--fit {size} proposed nothing (exit {code})")
@@ -55,7 +59,7 @@ def fit_check(size: str) -> None:
         print(f"--fit {size}: {len(found['fitting'])} of {found['layouts_tried']} layouts fit (usable "
               f"{found['usable_bytes'] / 2**20:.1f} MiB); first: {json.dumps(params, sort_keys=True)}"
               f"{' with checkpointing' if ckpt else ''}, estimated peak {best['peak'] / 2**20:.1f} MiB")
-        for m in run(_rank, 2, "bert", params, ckpt, path):
+        for m in run(_rank, 2, "bert", params, ckpt, path, FIT_BATCH):
             verdict = "fits" if m["measured"] <= found["usable_bytes"] else "DOES NOT FIT"
             print(f"  rank {m['rank']}: measured {m['measured'] / 2**20:.1f} MiB: {verdict}")
 

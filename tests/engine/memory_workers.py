@@ -55,7 +55,8 @@ def _params(layout: str | dict[str, Any]) -> dict[str, Any]:
     return dict(LAYOUTS[layout]) if isinstance(layout, str) else dict(layout)
 
 
-def measured_peak(family: str, layout: str | dict[str, Any], ckpt: bool, config_path: str) -> dict[str, Any]:
+def measured_peak(family: str, layout: str | dict[str, Any], ckpt: bool, config_path: str,
+                  batch: int = BATCH) -> dict[str, Any]:
     """This rank's measured peak for the row (run on every rank of a 2-rank world); ``layout`` names a row of
     `LAYOUTS` or is the SMP parameters themselves."""
     import torch
@@ -84,7 +85,7 @@ def measured_peak(family: str, layout: str | dict[str, Any], ckpt: bool, config_
             for block in _blocks(model):
                 smp.set_activation_checkpointing(block)
         optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
-        ids = torch.randint(0, config["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(smp.rank()))
+        ids = torch.randint(0, config["vocab_size"], (batch, SEQ), generator=torch.Generator().manual_seed(smp.rank()))
 
         @smp.step
         def train_step(model: Any, ids: Any) -> Any:

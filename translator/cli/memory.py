@@ -195,14 +195,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _candidate_params(base: Mapping[str, Any], world: int, batch: int) -> Iterator[dict[str, Any]]:
-    keep = {k: v for k, v in base.items() if k not in (
-        "pipeline_parallel_degree", "partitions", "tensor_parallel_degree", "microbatches", "shard_optimizer_state",
-        "sharded_data_parallel_degree")}
+_SEARCHED = ("pipeline_parallel_degree", "partitions", "tensor_parallel_degree", "microbatches", "active_microbatches",
+             "shard_optimizer_state", "sharded_data_parallel_degree")
+"""Keys ``--fit`` chooses; the configuration's other keys are kept as given."""
+
+
+def _candidate_params(given: Mapping[str, Any], world: int, batch: int) -> Iterator[dict[str, Any]]:
+    keep = {k: v for k, v in given.items() if k not in _SEARCHED}
+    own = given.get("microbatches")
     for pp in _divisors(world):
         for tp in _divisors(world // pp):
             dp = world // (pp * tp)
-            micro = sorted({m for m in (1, pp, 2 * pp) if batch % m == 0 and (pp == 1 or m >= pp)})
+            choices = {1, pp, 2 * pp} | ({int(own)} if isinstance(own, int) else set())
+            micro = sorted(m for m in choices if batch % m == 0 and (pp == 1 or m >= pp))
             for m in micro:
                 for shard in ([False, True] if dp > 1 else [False]):
                     params = {**keep, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "microbatches": m,
@@ -231,7 +236,7 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
     n_params = source.parameter_count()  # the traffic model's scale: the whole model
     fitting: list[Candidate] = []
     tried = 0
-    for params in _candidate_params(config.params, world, batch):
+    for params in _candidate_params(dict(config.given), world, batch):
         for ckpt in (False, True):
             try:
                 candidate_plan = plan(normalize(params, layout), layout)
