@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from smp2ds.translator.cli import main
+from tests.cli.convert_helpers import convert
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT2_30B = ROOT / "examples" / "configs" / "gpt2_30b_sdp_002.json"
@@ -55,13 +56,6 @@ def estimator(tmp_path: Path, script: str, **params: object) -> str:
     path = tmp_path / "estimator.json"
     path.write_text(json.dumps(spec), encoding="utf-8")
     return str(path)
-
-
-def convert(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    code = main(["convert", *argv])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import jsonschema
 import pytest
 
 from smp2ds.translator.cli import main
+from tests.cli.convert_helpers import convert, write_stub
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = ROOT / "schemas" / "vendor" / "kubeflow-training-operator" / "pytorchjob-v1.openapi.json"
@@ -62,13 +62,6 @@ def estimator_file(tmp_path: Path, **changes: Any) -> str:
     path = tmp_path / "GPT Job_v2.json"
     path.write_text(json.dumps(spec), encoding="utf-8")
     return str(path)
-
-
-def convert(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    code = main(["convert", *argv])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return out
 
 
 def unescape(value: str) -> str:
@@ -114,12 +107,6 @@ def test_pods_get_exactly_the_environment_of_convert_to_torchrun(tmp_path, capsy
     assert command[command.index("torchrun") + 1:] == torchrun["command"][script_at:]
 
 
-def _stub(folder: Path, name: str, body: str) -> None:
-    path = folder / name
-    path.write_text(f"#!{sys.executable}\n{body}", encoding="utf-8")
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-
-
 def test_each_pod_runs_torchrun_with_its_node_name_and_every_variable(tmp_path, capsys):
     manifest = json.loads(convert([estimator_file(tmp_path), "--to", "kubernetes", "--image", "i", "--cpu",
                                    "--format", "json"], capsys))
@@ -129,8 +116,9 @@ def test_each_pod_runs_torchrun_with_its_node_name_and_every_variable(tmp_path, 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     report = tmp_path / "report.json"
-    _stub(bin_dir, "torchrun", "import json, os, sys\n"
-          f"open({str(report)!r}, 'w').write(json.dumps({{'argv': sys.argv[1:], 'env': dict(os.environ)}}))\n")
+    write_stub(bin_dir, "torchrun", "import json, os, sys\n"
+          f"open({str(report)!r}, 'w').write(json.dumps({{'argv': sys.argv[1:], 'env': dict(os.environ)}}))\n",
+          sys.executable)
     pod_env = {item["name"]: unescape(item["value"]) for item in worker["env"]}
     # what the operator adds to the second worker's pod
     operator = {"PET_NODE_RANK": "2", "PET_NNODES": "3", "PET_NPROC_PER_NODE": "8", "PET_MASTER_ADDR": "job-master-0",

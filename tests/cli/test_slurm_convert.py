@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from smp2ds.translator.cli import main
 from smp2ds.translator.slurm_env import SlurmEnvError, expand_hostlist, launch_defaults
+from tests.cli.convert_helpers import convert, write_stub
 
 ESTIMATOR = {
     "entry_point": "train.py",
@@ -40,13 +40,6 @@ def estimator(tmp_path: Path) -> str:
     path = tmp_path / "gpt_job.json"
     path.write_text(json.dumps(ESTIMATOR), encoding="utf-8")
     return str(path)
-
-
-def convert(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    code = main(["convert", *argv])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return out
 
 
 def test_sbatch_script_asks_for_the_plans_nodes_and_starts_torchrun_once_per_node(estimator, capsys):
@@ -78,12 +71,6 @@ def test_slurm_exports_exactly_what_convert_to_torchrun_exports(estimator, capsy
     assert "/opt/ml" not in json.dumps(slurm)
 
 
-def _stub(folder: Path, name: str, body: str, shebang: str = "/bin/sh") -> None:
-    path = folder / name
-    path.write_text(f"#!{shebang}\n" + body, encoding="utf-8")
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-
-
 def test_script_runs_with_stand_ins_for_slurm_and_each_node_gets_its_environment(estimator, tmp_path, capsys):
     script = tmp_path / "job.sbatch"
     convert([estimator, "--to", "slurm", "--cpu", "--checkpoint-dir", str(tmp_path / "ckpt"), "-o", str(script)],
@@ -91,11 +78,11 @@ def test_script_runs_with_stand_ins_for_slurm_and_each_node_gets_its_environment
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     # scontrol show hostnames LIST: one name a line; srun: the command once per node, with that node's SLURM_NODEID
-    _stub(bin_dir, "scontrol", 'test "$1 $2 $3" = "show hostnames gpu[07-08]" && printf "gpu07\\ngpu08\\n"\n')
-    _stub(bin_dir, "srun", 'while case "$1" in --*) true;; *) false;; esac; do shift; done\n'
+    write_stub(bin_dir, "scontrol", 'test "$1 $2 $3" = "show hostnames gpu[07-08]" && printf "gpu07\\ngpu08\\n"\n')
+    write_stub(bin_dir, "srun", 'while case "$1" in --*) true;; *) false;; esac; do shift; done\n'
                            'SLURM_NODEID=0 "$@" && SLURM_NODEID=1 "$@"\n')
     report = tmp_path / "report.jsonl"
-    _stub(bin_dir, "torchrun", "import json, os, sys\n"
+    write_stub(bin_dir, "torchrun", "import json, os, sys\n"
           f"with open({str(report)!r}, 'a') as out:\n"
           "    out.write(json.dumps({'argv': sys.argv[1:], 'env': dict(os.environ)}) + '\\n')\n", sys.executable)
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[07-08]",

@@ -61,9 +61,10 @@ def device_from_flag(text: str | None) -> tuple[int, str] | None:
         raise UsageError(str(err)) from None
 
 
-def _seq_len(args: argparse.Namespace, config: Any, source: Any) -> tuple[int, str]:
-    if args.seq_len:
-        return int(args.seq_len), "--seq-len"
+def _seq_len(flag: int | None, config: Any, source: Any) -> tuple[int, str]:
+    """(tokens per sample, where from): ``--seq-len``, the hyperparameters, else the model's maximum positions."""
+    if flag:
+        return int(flag), "--seq-len"
     for name in SEQ_HYPERPARAMETERS:
         value = config.hyperparameters.get(name)
         with contextlib.suppress(TypeError, ValueError):
@@ -110,7 +111,7 @@ def memory_report(args: argparse.Namespace, config: Any, result: Any) -> dict[st
     if not args.model:
         raise UsageError("--memory needs --model (a config.json, a model directory or module:function)")
     source = _load(args.model)
-    seq, seq_from = _seq_len(args, config, source)
+    seq, seq_from = _seq_len(args.seq_len, config, source)
     batch, batch_from = _batch(result)
     estimate = _estimate(source, result, batch, seq, args.activation_checkpointing)
     out = {**estimate.to_dict(), "batch_per_rank": batch, "batch_source": batch_from, "seq_len_source": seq_from,
@@ -126,8 +127,7 @@ def fit_warning(model: str, config: Any, result: Any, device: tuple[int, str], *
     """(fits, one line) for ``validate --model`` and ``doctor --model``: the layout's largest role against
     ``device``. UsageError when the step cannot be sized (no batch, no sequence length, a layout not estimated)."""
     source = _load(model)
-    args = argparse.Namespace(seq_len=seq_len)
-    seq, _ = _seq_len(args, config, source)
+    seq, _ = _seq_len(seq_len, config, source)
     batch, _ = _batch(result)
     estimate = _estimate(source, result, batch, seq, activation_checkpointing)
     verdict = _verdict(estimate, *device)
@@ -226,7 +226,7 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
         raise UsageError("--fit needs --model (a config.json, a model directory or module:function)")
     size, label = device_from_flag(args.fit) or (0, "")
     source = _load(args.model)
-    seq, _ = _seq_len(args, config, source)
+    seq, _ = _seq_len(args.seq_len, config, source)
     batch, _ = _batch(result)
     world = int(result.topology["world_size"])
     from smp2ds.engine.memory.estimate import usable_bytes
