@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -23,61 +22,31 @@ import torch
 from smp2ds.engine.checkpoint_tools import consolidate
 from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
 from smp2ds.engine.exceptions import SMPCheckpointError, SMPInvalidArgumentError, SMPUnsupportedError
-from smp2ds.engine.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
-from smp2ds.engine.nn.huggingface.gptj import translate_state_dict_to_hf_gptj
-from smp2ds.engine.nn.huggingface.gptneo import translate_state_dict_to_hf_gptneo
-from smp2ds.engine.nn.huggingface.gptneox import translate_state_dict_to_hf_gptneox
+from smp2ds.engine.nn.huggingface.families import CONFIGS_FROM_SHAPES, EXPORTS
 
-SIZED_TYPES = ("gpt2", "llama", "gpt_neox")
+SIZED_TYPES = tuple(CONFIGS_FROM_SHAPES)
 
 
 def _translator(model_type: str, heads: int) -> Callable[[dict], dict]:
     """SMP distributed-transformer names -> Hugging Face's, for ``model_type``."""
-    if model_type == "gpt2":
-        return translate_state_dict_to_hf_gpt2
-    if model_type == "gpt_neox":
-        return lambda sd: translate_state_dict_to_hf_gptneox(sd, num_attention_heads=heads)
-    if model_type == "gpt_neo":
-        return translate_state_dict_to_hf_gptneo
-    if model_type == "gptj":
-        return translate_state_dict_to_hf_gptj
-    raise SMPUnsupportedError(f"the checkpoint holds SMP distributed-transformer names (seq_layers) and model type "
-                              f"{model_type!r} has no translator to Hugging Face names; allowed: gpt2, gpt_neox, "
-                              "gpt_neo, gptj")
-
-
-def _layers(sd: dict[str, torch.Tensor], pattern: str) -> int:
-    return len({m.group(1) for k in sd if (m := re.match(pattern, k))})
+    if model_type not in EXPORTS:
+        raise SMPUnsupportedError(f"the checkpoint holds SMP distributed-transformer names (seq_layers) and model "
+                                  f"type {model_type!r} has no translator to Hugging Face names; allowed: "
+                                  f"{', '.join(EXPORTS)}")
+    export_to_hf = EXPORTS[model_type]
+    return lambda sd: export_to_hf(sd, heads)
 
 
 def sized_config(model_type: str, sd: dict[str, torch.Tensor], heads: int | None) -> dict[str, Any]:
     """A config dict for ``model_type`` with every size the (Hugging Face named) shapes tell."""
-    if model_type not in SIZED_TYPES:
+    if model_type not in CONFIGS_FROM_SHAPES:
         raise SMPInvalidArgumentError(f"--model-type {model_type!r} cannot be sized from the shapes; allowed: "
                                       f"{', '.join(SIZED_TYPES)} (other models: give --config FILE)")
     if heads is None:
         raise SMPInvalidArgumentError(f"--model-type {model_type} needs --num-attention-heads: the head count "
                                       "is in no tensor's shape")
     try:
-        if model_type == "gpt2":
-            vocab, hidden = sd["transformer.wte.weight"].shape
-            return {"model_type": "gpt2", "vocab_size": vocab, "n_embd": hidden, "n_head": heads,
-                    "n_positions": sd["transformer.wpe.weight"].shape[0],
-                    "n_layer": _layers(sd, r"transformer\.h\.(\d+)\."),
-                    "n_inner": sd["transformer.h.0.mlp.c_fc.weight"].shape[1]}
-        if model_type == "llama":
-            vocab, hidden = sd["model.embed_tokens.weight"].shape
-            kv_rows = sd["model.layers.0.self_attn.k_proj.weight"].shape[0]
-            head_dim = hidden // heads
-            return {"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden, "num_attention_heads": heads,
-                    "num_key_value_heads": kv_rows // head_dim,
-                    "num_hidden_layers": _layers(sd, r"model\.layers\.(\d+)\."),
-                    "intermediate_size": sd["model.layers.0.mlp.gate_proj.weight"].shape[0],
-                    "tie_word_embeddings": "lm_head.weight" not in sd}
-        vocab, hidden = sd["gpt_neox.embed_in.weight"].shape
-        return {"model_type": "gpt_neox", "vocab_size": vocab, "hidden_size": hidden, "num_attention_heads": heads,
-                "num_hidden_layers": _layers(sd, r"gpt_neox\.layers\.(\d+)\."),
-                "intermediate_size": sd["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"].shape[0]}
+        return CONFIGS_FROM_SHAPES[model_type](sd, heads)
     except KeyError as exc:
         raise SMPCheckpointError(f"--model-type {model_type}: the checkpoint has no tensor {exc.args[0]!r}; is it a "
                                  f"{model_type} model? (else give --config FILE)") from None

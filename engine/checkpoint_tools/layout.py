@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from smp2ds.engine.checkpoint_tools.reading import load_weights
 from smp2ds.engine.core import checkpoint_commit as commit
+from smp2ds.engine.core import checkpoint_format as fmt
 from smp2ds.engine.exceptions import SMPCheckpointError
-
-_MODEL = (re.compile(r"^model_(\d+)_(\d+)\.pt$"), re.compile(r"^pytorch_model\.bin_(\d+)_(\d+)(?:\.pt)?$"))
-_OPTIMIZER = (re.compile(r"^optimizer_states_(\d+)_(\d+)(?:_(\d+))?\.pt$"),
-              re.compile(r"^optimizer\.pt_(\d+)_(\d+)(?:_(\d+))?(?:\.pt)?$"))
 
 
 @dataclass(frozen=True)
@@ -73,20 +69,20 @@ class CheckpointLayout:
 
 def _entry_dir(path: str, tag: str | None) -> tuple[str, str | None, list[str]]:
     """(partial directory, its tag, the ``newest`` entries) for a root folder or a partial folder."""
-    marker = os.path.join(path, "newest")
+    marker = os.path.join(path, fmt.NEWEST)
     newest: list[str] = []
     if os.path.isfile(marker):
         with open(marker) as handle:
             newest = [ln.strip() for ln in handle if ln.strip()]
-    partial_dirs = sorted(d for d in os.listdir(path) if d.endswith("_partial") and os.path.isdir(
+    partial_dirs = sorted(d for d in os.listdir(path) if fmt.tag_of(d) is not None and os.path.isdir(
         os.path.join(path, d)))
     if tag is not None:
-        entry = tag if tag.endswith("_partial") else f"{tag}_partial"
+        entry = fmt.partial_entry(tag)
         if not (newest or partial_dirs):
             raise SMPCheckpointError(f"{path}: --tag {tag!r} given, but this folder holds no <tag>_partial folders "
                                      "(it is a checkpoint itself; leave --tag out)")
         try:
-            return commit.resolve_dir(path, entry), entry[: -len("_partial")], newest
+            return commit.resolve_dir(path, entry), fmt.tag_of(entry), newest
         except SMPCheckpointError:
             raise SMPCheckpointError(f"{os.path.join(path, entry)}: no checkpoint with tag {tag!r}; this folder "
                                      f"holds {', '.join(partial_dirs) or 'none'}") from None
@@ -95,22 +91,14 @@ def _entry_dir(path: str, tag: str | None) -> tuple[str, str | None, list[str]]:
         if not os.path.isdir(os.path.join(path, entry)):
             raise SMPCheckpointError(f"{marker}: names {entry!r} as the newest checkpoint, but "
                                      f"{os.path.join(path, entry)} does not exist")
-        return os.path.join(path, entry), entry[: -len("_partial")], newest
+        return os.path.join(path, entry), fmt.tag_of(entry), newest
     if len(partial_dirs) == 1:
-        return os.path.join(path, partial_dirs[0]), partial_dirs[0][: -len("_partial")], newest
+        return os.path.join(path, partial_dirs[0]), fmt.tag_of(partial_dirs[0]), newest
     if len(partial_dirs) > 1:
         raise SMPCheckpointError(f"{path}: holds several checkpoints ({', '.join(partial_dirs)}) and no newest "
                                  "file; choose one with --tag")
     name = os.path.basename(os.path.normpath(path))
-    return path, (name[: -len("_partial")] if name.endswith("_partial") else None), newest
-
-
-def _match(name: str, patterns: tuple[re.Pattern, ...]) -> tuple[int | None, ...] | None:
-    for pattern in patterns:
-        m = pattern.match(name)
-        if m:
-            return tuple(int(g) if g is not None else None for g in m.groups())
-    return None
+    return path, fmt.tag_of(name), newest
 
 
 def _config(path: str, problems: list[Problem]) -> dict[str, Any]:
@@ -138,24 +126,24 @@ def find(path: str, tag: str | None = None) -> CheckpointLayout:
     names = sorted(os.listdir(directory))
     for name in names:
         full = os.path.join(directory, name)
-        if (m := _match(name, _MODEL)) is not None:
-            models[(m[0], m[1])] = full
-        elif (o := _match(name, _OPTIMIZER)) is not None:
+        if (m := fmt.match(name, fmt.MODEL_PATTERNS)) is not None:
+            models[(int(m[0] or 0), int(m[1] or 0))] = full
+        elif (o := fmt.match(name, fmt.OPTIMIZER_PATTERNS)) is not None:
             optimizers[(o[0], o[1], o[2])] = full
     if not models:
         raise SMPCheckpointError(f"{directory}: no partial model files (model_<pp>_<tp>.pt or "
                                  "pytorch_model.bin_<pp>_<tp>) in this folder; it is not a partial SMP checkpoint")
     extras = {k: os.path.join(directory, f) for k, f in (
-        ("user_content", "user_content.pt"), ("smp_config", "smp_config.pt"), ("scheduler", "scheduler.pt"),
+        ("user_content", fmt.USER_CONTENT), ("smp_config", fmt.SMP_CONFIG), ("scheduler", "scheduler.pt"),
         ("trainer_state", "trainer_state.json")) if os.path.isfile(os.path.join(directory, f))}
     try:
         manifest = commit.read_manifest(directory)
     except SMPCheckpointError as exc:
-        problems.append(Problem(os.path.join(directory, commit.MANIFEST), str(exc).split(": ", 1)[-1]))
+        problems.append(Problem(os.path.join(directory, fmt.MANIFEST), str(exc).split(": ", 1)[-1]))
         manifest = None
     config = _config(extras.get("smp_config", ""), problems)
     kind = "smp2ds partial checkpoint" if manifest else (
-        "Hugging Face Trainer checkpoint (SMP)" if any("pytorch_model.bin" in f for f in models.values())
+        "Hugging Face Trainer checkpoint (SMP)" if any(fmt.TRAINER_MODEL_STEM in f for f in models.values())
         else "SMP partial checkpoint")
     saved = (manifest or {}).get("layout", {})
     pp = int(saved.get("pipeline_parallel_degree") or config.get("pipeline_parallel_degree") or
@@ -188,11 +176,11 @@ def _trainer_step(path: str) -> str | None:
 def _check_completeness(layout: CheckpointLayout) -> None:
     """Every (stage, tp rank) model file present, none beyond the degrees; optimizer files likewise."""
     d, problems = layout.directory, layout.problems
-    model_name = "pytorch_model.bin_{}_{}" if "Trainer" in layout.kind else "model_{}_{}.pt"
+    trainer = "Trainer" in layout.kind
     for stage in range(layout.pp):
         for rank in range(layout.tp):
             if (stage, rank) not in layout.model_files:
-                problems.append(Problem(os.path.join(d, model_name.format(stage, rank)),
+                problems.append(Problem(os.path.join(d, fmt.model_file(stage, rank, trainer=trainer)),
                                         f"missing: the model part of pipeline stage {stage}, tensor-parallel rank "
                                         f"{rank} (pp {layout.pp} x tp {layout.tp} needs every one)"))
     for (stage, rank), file in sorted(layout.model_files.items()):
@@ -207,11 +195,10 @@ def _check_completeness(layout: CheckpointLayout) -> None:
                                 "(_<pp>_<tp>) naming: files of two saves?"))
     expected = [(s, t, r) for s in range(layout.pp) for t in range(layout.tp)
                 for r in (range(layout.rdp or 1) if sharded else (None,))]
-    stem = "optimizer.pt" if "Trainer" in layout.kind else "optimizer_states"
     for key in expected:
         if key not in layout.optimizer_files:
-            suffix = "_".join(str(k) for k in key if k is not None)
-            problems.append(Problem(os.path.join(d, f"{stem}_{suffix}.pt"),  # the name smp.save gives it
+            name = fmt.optimizer_file(key[0], key[1], key[2], trainer=trainer)  # the name smp.save gives it
+            problems.append(Problem(os.path.join(d, name),
                                     "missing: optimizer state of pipeline stage {}, tp rank {}{}".format(
                                         key[0], key[1], f", rdp rank {key[2]}" if key[2] is not None else "")))
 
@@ -221,7 +208,7 @@ def _check_manifest(layout: CheckpointLayout) -> None:
     manifest, d = layout.manifest or {}, layout.directory
     listed = manifest.get("files", {})
     if layout.tag is not None and manifest.get("tag") not in (None, layout.tag):
-        layout.problems.append(Problem(os.path.join(d, commit.MANIFEST), f"the manifest is of tag "
+        layout.problems.append(Problem(os.path.join(d, fmt.MANIFEST), f"the manifest is of tag "
                                        f"{manifest.get('tag')!r} but the folder is named for tag {layout.tag!r}"))
     for name, record in sorted(listed.items()):
         file = os.path.join(d, name)

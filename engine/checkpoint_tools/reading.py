@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.core.checkpoint_format import LOAD_INFO
 from smp2ds.engine.core.safe_load import deepspeed_globals
 from smp2ds.engine.exceptions import SMPCheckpointError
 
@@ -79,5 +80,5 @@ def model_tensors(path: str, mmap: bool = True) -> dict[str, torch.Tensor]:
 def load_info(path: str) -> dict[str, Any]:
     """SMP's ``_smp_load_info`` marker of a partial model file (empty when absent)."""
     obj = load_weights(path, mmap=True)
-    info = obj.get("_smp_load_info") if isinstance(obj, dict) else None
+    info = obj.get(LOAD_INFO) if isinstance(obj, dict) else None
     return dict(info) if isinstance(info, dict) else {}

@@ -33,6 +33,7 @@ from smp2ds.engine.checkpoint_tools import consolidate, optimizer_state
 from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
 from smp2ds.engine.checkpoint_tools.shard_rules import Split
 from smp2ds.engine.core import checkpoint_commit as commit
+from smp2ds.engine.core import checkpoint_format as fmt
 from smp2ds.engine.core.checkpoint import SMP2DS_CHECKPOINT_VERSION
 from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedError
 from smp2ds.engine.nn.parallel.shards import ShardSpec
@@ -83,8 +84,9 @@ def _check(layout: CheckpointLayout, entries: list[consolidate.Entry], out: str,
                 f"--tp {tp}: {entry.key} has {entry.shape[entry.split.dim]} along dimension {entry.split.dim}, "
                 f"which does not split into {entry.split.blocks} block(s) x {tp} ranks; choose a degree that "
                 "divides it")
-    if os.path.exists(os.path.join(out, f"{layout.tag}_partial")):
-        raise SMPInvalidArgumentError(f"{os.path.join(out, f'{layout.tag}_partial')} exists already; choose "
+    target = os.path.join(out, fmt.partial_entry(layout.tag or "resharded"))
+    if os.path.exists(target):
+        raise SMPInvalidArgumentError(f"{target} exists already; choose "
                                       "another --out (reshard never overwrites a checkpoint)")
 
 
@@ -100,7 +102,7 @@ def reshard(layout: CheckpointLayout, out: str, tp: int, pp: int, rdp: int = 1, 
     optim = optimizer_state.consolidate_optimizer(layout, entries, reader) if layout.optimizer_files else None
     full = dict(consolidate.iter_tensors(entries, reader))
     split = {e.key: e.split for e in entries}
-    entry = f"{tag}_partial"
+    entry = fmt.partial_entry(tag)
     os.makedirs(out, exist_ok=True)
     commit.tidy(out)
     stage_dir = commit.stage_dir(out, entry, os.urandom(8).hex())
@@ -111,21 +113,21 @@ def reshard(layout: CheckpointLayout, out: str, tp: int, pp: int, rdp: int = 1, 
         keys = list(reader.tensors(layout.model_files[(stage, 0)]))
         for rank in range(tp):
             sd: dict[str, Any] = {k: cut(full[k], split[k], tp, rank) for k in keys}
-            sd.update({"_smp_is_partial": True, "_smp_load_info": dict(info)})
-            records.append(commit.write_file(sd, stage_dir, f"model_{stage}_{rank}.pt", stage * tp + rank))
+            sd.update({fmt.PARTIAL_MARK: True, fmt.LOAD_INFO: dict(info)})
+            records.append(commit.write_file(sd, stage_dir, fmt.model_file(stage, rank), stage * tp + rank))
             if optim is not None and layout.optimizer_sharded:
                 records += _write_shards(layout, stage, optim, full, split, (tp, rank), (rdp, sdp), reader, stage_dir)
             elif optim is not None:
                 state = _stage_optimizer(layout, stage, optim, split, tp, rank, rdp, reader)
-                records.append(commit.write_file(state, stage_dir, f"optimizer_states_{stage}_{rank}.pt",
+                records.append(commit.write_file(state, stage_dir, fmt.optimizer_file(stage, rank),
                                                  stage * tp + rank))
     config = {**layout.config, "tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
               "sharded_data_parallel_degree": sdp, "smp_version": SMP2DS_CHECKPOINT_VERSION}
-    records.append(commit.write_file(config, stage_dir, "smp_config.pt", 0))
+    records.append(commit.write_file(config, stage_dir, fmt.SMP_CONFIG, 0))
     if "user_content" in layout.extras:  # copied as bytes: user content may be any pickle, never loaded here
-        shutil.copyfile(layout.extras["user_content"], os.path.join(stage_dir, "user_content.pt"))
-        file = os.path.join(stage_dir, "user_content.pt")
-        records.append(commit.FileRecord("user_content.pt", os.path.getsize(file), commit.file_digest(file), 0))
+        file = os.path.join(stage_dir, fmt.USER_CONTENT)
+        shutil.copyfile(layout.extras["user_content"], file)
+        records.append(commit.FileRecord(fmt.USER_CONTENT, os.path.getsize(file), commit.file_digest(file), 0))
     saved = {"world_size": tp * pp * rdp, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "rdp": rdp,
              "optimizer_saved": optim is not None, "optimizer_sharded": optim is not None and layout.optimizer_sharded}
     commit.seal(out, entry, stage_dir, records, saved, tag, SMP2DS_CHECKPOINT_VERSION, None)
@@ -147,7 +149,7 @@ def _stage_optimizer(layout: CheckpointLayout, stage: int, optim: dict[str, Any]
                            for k, v in optim["state"][known].items()}
     meta = {"zero_stage": 0, "precision": "fp32", "rdp_rank": 0, "rdp_size": rdp}
     return {"ds_optimizer": {"state": state, "param_groups": old["param_groups"]}, "smp2ds": meta,
-            "_smp_is_partial": True}
+            fmt.PARTIAL_MARK: True}
 
 
 def _write_shards(layout: CheckpointLayout, stage: int, optim: dict[str, Any], full: dict[str, torch.Tensor],
@@ -173,7 +175,7 @@ def _write_shards(layout: CheckpointLayout, stage: int, optim: dict[str, Any], f
     records = []
     for r in range(rdp):
         meta = {"zero_stage": zero_stage, "precision": "fp32", "rdp_rank": r, "rdp_size": rdp}
-        body = {"ds_optimizer": shards[r % count], "smp2ds": meta, "_smp_is_partial": True}
-        records.append(commit.write_file(body, stage_dir, f"optimizer_states_{stage}_{rank}_{r}.pt",
+        body = {"ds_optimizer": shards[r % count], "smp2ds": meta, fmt.PARTIAL_MARK: True}
+        records.append(commit.write_file(body, stage_dir, fmt.optimizer_file(stage, rank, r),
                                          (stage * size + rank) * rdp + r))
     return records

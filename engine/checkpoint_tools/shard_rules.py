@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 from smp2ds.engine.nn.huggingface.families import BLOCK_RULES as RULES
 
-_CONV1D_FAMILIES = frozenset({"gpt2"})
 _DISTRIBUTED_TRANSFORMER = ("smp_distributed_transformer",
                             ("attention.query", "attention.key", "attention.value", "output.dense1"),
-                            ("attention.dense", "output.dense2"), {})
+                            ("attention.dense", "output.dense2"), {}, False)
 VOCAB_SUFFIXES = ("word_embedding.weight", "lm_head.weight", "lm_head_bias")
 
 
@@ -39,13 +38,13 @@ class Split:
     blocks: int = 1
 
 
-def _rules() -> list[tuple[str, tuple[str, ...], tuple[str, ...], dict[str, int]]]:
+def _rules() -> list[tuple[str, tuple[str, ...], tuple[str, ...], dict[str, int], bool]]:
     seen, out = set(), []
     for rule in RULES.values():
         key = (rule.family, rule.column, rule.row)
         if key not in seen:
             seen.add(key)
-            out.append((rule.family, rule.column, rule.row, dict(rule.fused)))
+            out.append((rule.family, rule.column, rule.row, dict(rule.fused), rule.conv1d))
     out.append(_DISTRIBUTED_TRANSFORMER)
     return out
 
@@ -58,8 +57,7 @@ def name_splits(keys: list[str] | set[str]) -> dict[str, Split | None]:
     """
     present = set(keys)
     out: dict[str, Split | None] = {}
-    for family, column, row, fused in _rules():
-        conv = family in _CONV1D_FAMILIES
+    for _family, column, row, fused, conv in _rules():
         anchor = f".{column[0]}.weight"
         prefixes = {k[: -len(anchor) + 1] for k in present if k.endswith(anchor)}
         for prefix in sorted(prefixes):

@@ -1,15 +1,9 @@
-"""``smp.save_checkpoint`` / ``smp.resume_from_checkpoint`` (SMP 1.10+ layout).
+"""``smp.save_checkpoint`` / ``smp.resume_from_checkpoint`` (SMP 1.10+ layout, named in :mod:`checkpoint_format`).
 
-::
-
-    path/
-      <tag>_partial/                          partial=True
-        model_<pp>_<tp>.pt                    rdp_rank 0: model.local_state_dict()
-        optimizer_states_<pp>_<tp>[_<rdp>].pt rdp_rank 0, or every rank with shard_optimizer_state
-        user_content.pt, smp_config.pt        rank 0
-        smp2ds_manifest.json                  rank 0, last: every file's size/SHA-256/rank, the layout
-      <tag>, user_content_<tag>               partial=False: full model state dict (rank 0)
-      newest                                  one "<tag>_partial" per line, last = newest
+With ``partial=True`` each (pp, tp) rank of rdp rank 0 writes its ``model.local_state_dict()``, rdp rank 0 (every
+rdp rank when the optimizer state is sharded) its optimizer part, rank 0 the user content, the configuration and,
+last, the manifest: every file's size, SHA-256 and writer rank, and the layout. ``partial=False`` writes the full
+model state dict from rank 0.
 
 A partial checkpoint is staged in a hidden folder and renamed into place once sealed
 (:mod:`checkpoint_commit`); resume checks it against its manifest (:mod:`checkpoint_verify`).
@@ -29,6 +23,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.core import checkpoint_commit as commit
+from smp2ds.engine.core import checkpoint_format as names
 from smp2ds.engine.core import checkpoint_verify, safe_load
 from smp2ds.engine.core import object_collectives as collectives
 from smp2ds.engine.core.pretrained_save import to_hf_names
@@ -48,13 +43,12 @@ def _coords() -> Any:
 
 def _optimizer_file(directory: str, sharded: bool) -> str:
     c = _coords()
-    suffix = f"_{c.rdp_rank}" if sharded else ""
-    return os.path.join(directory, f"optimizer_states_{c.pp_rank}_{c.tp_rank}{suffix}.pt")
+    return os.path.join(directory, names.optimizer_file(c.pp_rank, c.tp_rank, c.rdp_rank if sharded else None))
 
 
 def _model_file(directory: str) -> str:
     c = _coords()
-    return os.path.join(directory, f"model_{c.pp_rank}_{c.tp_rank}.pt")
+    return os.path.join(directory, names.model_file(c.pp_rank, c.tp_rank))
 
 
 def _load(path: str, user_content: bool = False, trust: bool | None = None) -> Any:
@@ -96,7 +90,7 @@ def save_checkpoint(path: str, tag: str, partial: bool = True, model: Any = None
 def _save_partial(path: str, tag: str, nonce: str, model: Any, optimizer: Any, user_content: Any,
                   keep: int | None) -> None:
     rank, c = state.groups.rank, _coords()
-    entry = f"{tag}_partial"
+    entry = names.partial_entry(tag)
     stage = commit.stage_dir(path, entry, nonce)
     os.makedirs(stage, exist_ok=True)
     records: list[commit.FileRecord] = []
@@ -111,9 +105,9 @@ def _save_partial(path: str, tag: str, nonce: str, model: Any, optimizer: Any, u
         records.append(commit.write_file(optimizer.local_state_dict(), stage, name, rank))
     if rank == 0:
         if user_content is not None:
-            records.append(commit.write_file(user_content, stage, "user_content.pt", rank))
+            records.append(commit.write_file(user_content, stage, names.USER_CONTENT, rank))
         config = {**state.cfg.get_config_dict(), "smp_version": SMP2DS_CHECKPOINT_VERSION}
-        records.append(commit.write_file(config, stage, "smp_config.pt", rank))
+        records.append(commit.write_file(config, stage, names.SMP_CONFIG, rank))
     commit.fault_point("files_written", rank)
     fsync_dir(stage)
     everyone = collectives.allgather(records, CommGroup.WORLD)
@@ -132,11 +126,11 @@ def _save_full(path: str, tag: str, model: Any, optimizer: Any, user_content: An
         if translate_if_full and state.module_manager.translate_functions:
             sd = to_hf_names(sd)
         else:
-            sd["_smp_is_partial"] = False
+            sd[names.PARTIAL_MARK] = False
         if rank == 0:
             atomic_torch_save(sd, os.path.join(path, tag))
     if rank == 0 and user_content is not None:
-        atomic_torch_save(user_content, os.path.join(path, f"user_content_{tag}"))
+        atomic_torch_save(user_content, os.path.join(path, names.full_user_content(tag)))
 
 
 def _check_config(directory: str, load_optimizer: bool, trust: bool | None) -> None:
@@ -146,7 +140,7 @@ def _check_config(directory: str, load_optimizer: bool, trust: bool | None) -> N
                                  "allowed: 0 (skip the configuration check) or 1")
     if verify == "0":
         return
-    cfg_path = os.path.join(directory, "smp_config.pt")
+    cfg_path = os.path.join(directory, names.SMP_CONFIG)
     if not os.path.exists(cfg_path):
         return
     saved, now = _load(cfg_path, trust=trust), state.cfg.get_config_dict()
@@ -211,7 +205,7 @@ def _fill_tied(sd: dict, module: torch.nn.Module) -> dict:
 
 def _apply_model(sd: dict, strict: bool, translate_function: Callable | None, tied: bool = False) -> None:
     def apply(model: Any) -> None:
-        loaded = _fill_tied(sd, model.module) if tied else sd
+        loaded = _fill_tied(sd, model.get_module()) if tied else sd
         model.load_state_dict(loaded, strict=strict, translate_function=translate_function)
 
     if state.model is not None:
@@ -246,10 +240,10 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
             raise SMPCheckpointError("resume_from_checkpoint(partial=False) needs the tag of the full checkpoint")
         sd, tied = _load_full(path, tag, trust_checkpoint)
         _apply_model(sd, strict, translate_function, tied)
-        content = os.path.join(path, f"user_content_{tag}")
+        content = os.path.join(path, names.full_user_content(tag))
         return _load(content, True, trust_checkpoint) if os.path.exists(content) else None
     if tag is None:
-        marker = os.path.join(path, "newest")
+        marker = os.path.join(path, names.NEWEST)
         if not os.path.exists(marker):
             raise SMPCheckpointError(f"no tag given and {marker} does not exist")
         with open(marker) as handle:
@@ -258,7 +252,7 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
             raise SMPCheckpointError(f"{marker} is empty")
         entry = entries[-1]
     else:
-        entry = tag if tag.endswith("_partial") else f"{tag}_partial"
+        entry = names.partial_entry(tag)
     directory = commit.resolve_dir(path, entry)
     _check_config(directory, load_optimizer, trust_checkpoint)
     files = checkpoint_verify.files_to_load(directory, _model_file(directory), load_optimizer,

@@ -8,7 +8,7 @@ SMP did: rank 0 sees every rank's files):
    forward when one is the only complete copy of a checkpoint (see step 4).
 2. Every rank writes its files into ``path/.smp2ds-stage-<entry>-<nonce>/`` (fsynced) and
    reports name, size, SHA-256 and its rank.
-3. Rank 0 writes :data:`MANIFEST` (files, sizes, digests, writer ranks, layout) *last*; a
+3. Rank 0 writes the manifest (files, sizes, digests, writer ranks, layout) *last*; a
    directory is complete exactly when its manifest exists.
 4. An existing ``<entry>`` (same tag saved again) is moved aside to ``.smp2ds-old-...``, the
    stage is renamed to ``<entry>``, and the parent directory fsynced. A crash between the two
@@ -37,10 +37,10 @@ from typing import Any, BinaryIO
 
 import torch
 
+from smp2ds.engine.core.checkpoint_format import MANIFEST, NEWEST
 from smp2ds.engine.core.save_load import atomic_write_text, fsync_dir, readable_mode
 from smp2ds.engine.exceptions import MissingCheckpointFilesError, SMPCheckpointError, SMPInvalidArgumentError
 
-MANIFEST = "smp2ds_manifest.json"
 MANIFEST_FORMAT = 1
 STAGE, ASIDE, TRASH = ".smp2ds-stage-", ".smp2ds-old-", ".smp2ds-trash-"
 _HIDDEN = (STAGE, ASIDE, TRASH)
@@ -243,7 +243,7 @@ def seal(path: str, entry: str, stage: str, records: list[FileRecord], layout: d
 
 def _publish_newest(path: str, entry: str, keep: int | None) -> list[str]:
     """Append ``entry`` to ``newest`` (durably); return the entries that fell out of it."""
-    marker = os.path.join(path, "newest")
+    marker = os.path.join(path, NEWEST)
     lines: list[str] = []
     if os.path.exists(marker):
         with open(marker) as handle:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from smp2ds.engine.core import checkpoint_commit as commit
+from smp2ds.engine.core.checkpoint_format import USER_CONTENT
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import (
     IncompatibleCheckpointFoundError,
@@ -85,8 +86,8 @@ def files_to_load(directory: str, model_file: str, load_optimizer: bool,
                 f"checkpoint {directory} was saved without optimizer state; {_WEIGHTS_ONLY}")
         name = os.path.basename(optimizer_file(bool(layout.get("optimizer_sharded"))))
         files["optimizer"] = _verify_file(directory, name, manifest)
-    if "user_content.pt" in manifest.get("files", {}):
-        files["user_content"] = _verify_file(directory, "user_content.pt", manifest)
+    if USER_CONTENT in manifest.get("files", {}):
+        files["user_content"] = _verify_file(directory, USER_CONTENT, manifest)
     return files
 
 
@@ -105,7 +106,7 @@ def _legacy_files(directory: str, model_file: str, load_optimizer: bool,
                 f"no optimizer state for this rank in {directory} (looked for "
                 f"{', '.join(os.path.basename(c) for c in candidates)}); {_WEIGHTS_ONLY}")
         files["optimizer"] = found[0]
-    content = os.path.join(directory, "user_content.pt")
+    content = os.path.join(directory, USER_CONTENT)
     if os.path.exists(content):
         files["user_content"] = content
     return files

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from smp2ds.engine.core import device_placement, model_io, pretrained_save
+from smp2ds.engine.core import checkpoint_format, device_placement, model_io, pretrained_save, wrapper_views
 from smp2ds.engine.core.backend import Backend
 from smp2ds.engine.core.backend_factory import make_backend, parameter_roles, prepare_module
 from smp2ds.engine.core.state import state
@@ -96,7 +96,11 @@ class DistributedModel(torch.nn.Module):
             raise SMPInvalidArgumentError("overlapping_allreduce must be a bool")
         super().__init__()
         module = prepare_module(module)  # SMP's distributed transformer replaces marked models (any tp degree)
-        self.module = module
+        self.add_module("module", module)  # the `module` property returns SMP's wrapper chain
+        settings = state.plan.engine_settings
+        object.__setattr__(self, "_wrapper_view", wrapper_views.wrapper_chain(
+            module, data_parallel=bool(state.cfg.ddp) and not settings.mics.enabled,
+            sixteen_bit=settings.precision.dtype != "fp32"))
         self.trace_device = trace_device
         self.backward_passes_per_step = backward_passes_per_step
         self.average_grads_across_microbatches = bool(average_grads_across_microbatches)
@@ -123,8 +127,15 @@ class DistributedModel(torch.nn.Module):
         return bool(self.backend.partitioned)
 
     def get_module(self) -> torch.nn.Module:
-        """The user's module (SMP unwraps its DDP/fp16 wrappers here)."""
-        return self.module
+        """The user's module (SMP unwraps its DDP/16-bit wrappers here)."""
+        return self._modules["module"]
+
+    @property
+    def module(self) -> torch.nn.Module:  # type: ignore[override]
+        """What SMP's ``model.module`` was: its data-parallel wrapper under ``ddp`` (the user's module at
+        ``model.module.module``), with a 16-bit wrapper inside it under ``fp16``/``bf16``; the user's module
+        itself otherwise (see ``wrapper_views``). ``get_module()`` always returns the user's module."""
+        return self._wrapper_view
 
     # ---- forward / backward ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -251,12 +262,12 @@ class DistributedModel(torch.nn.Module):
         if scaled_batch_only:
             tp = int(state.cfg.tensor_parallel_degree)
             scaled = {prefix + n for n, _ in self.scaled_batch_reducer_named_parameters()} | {
-                prefix + n for n, b in self.module.named_buffers()
-                if id(b) in parameter_roles.scaled_batch_buffers(self.module, tp)}
+                prefix + n for n, b in self.get_module().named_buffers()
+                if id(b) in parameter_roles.scaled_batch_buffers(self.get_module(), tp)}
             sd = {k: v for k, v in sd.items() if k in scaled}
         sd = model_io.to_cpu(sd) if cast_to_cpu else dict(sd)
-        sd["_smp_is_partial"] = True
-        sd["_smp_load_info"] = {
+        sd[checkpoint_format.PARTIAL_MARK] = True
+        sd[checkpoint_format.LOAD_INFO] = {
             "tensor_parallel_degree": int(state.cfg.tensor_parallel_degree),
             "pipeline_parallel_degree": int(state.cfg.pipeline_parallel_degree),
             "partition_info": None,
@@ -279,7 +290,7 @@ class DistributedModel(torch.nn.Module):
         sd = model_io.strip_markers(state_dict)
         if translate_function is not None:
             sd = translate_function(sd)
-        elif "_smp_is_partial" not in state_dict:
+        elif checkpoint_format.PARTIAL_MARK not in state_dict:
             for _, hf_to_smp in state.module_manager.translate_functions:
                 sd = hf_to_smp(sd)
         result = self.backend.load_module_state_dict(sd, strict=strict)
@@ -294,16 +305,16 @@ class DistributedModel(torch.nn.Module):
 
     # ---- parameters and modules (delegate to the wrapped module, as SMP did) ----------------------
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
-        return self.module.parameters(recurse)
+        return self.get_module().parameters(recurse)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+        return self.get_module().named_parameters(prefix, recurse, remove_duplicate)
 
     def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
-        return self.module.buffers(recurse)
+        return self.get_module().buffers(recurse)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
-        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+        return self.get_module().named_buffers(prefix, recurse, remove_duplicate)
 
     def local_parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
         return (p for _, p in self.local_named_parameters(recurse))
@@ -313,16 +324,16 @@ class DistributedModel(torch.nn.Module):
         return self.backend.local_named_parameters()
 
     def local_buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
-        return self.module.buffers(recurse)
+        return self.get_module().buffers(recurse)
 
     def local_named_buffers(self, prefix: str = "", recurse: bool = True) -> Iterator:
-        return self.module.named_buffers(prefix, recurse)
+        return self.get_module().named_buffers(prefix, recurse)
 
     def local_modules(self) -> Iterator[torch.nn.Module]:
         return iter(self.backend.local_modules())
 
     def local_named_modules(self, memo: Any = None, prefix: str = "") -> Iterator:
-        return self.module.named_modules(memo, prefix)
+        return self.get_module().named_modules(memo, prefix)
 
     def is_local_parameter(self, param: Any) -> bool:
         return True
@@ -333,7 +344,7 @@ class DistributedModel(torch.nn.Module):
     # ---- tensor-parallel helpers (SMP v1.6+; answers from the sharding, see tensor_parallel.introspect) --
     def distributed_modules(self) -> Iterator[torch.nn.Module]:
         """The distributed modules: ``smp.nn`` modules and those the engine sharded in place."""
-        return parameter_roles.distributed_modules(self.module)
+        return parameter_roles.distributed_modules(self.get_module())
 
     def is_distributed_parameter(self, param: torch.Tensor) -> bool:
         """True when ``param`` is split over the tensor-parallel ranks (this rank holds a shard)."""
@@ -349,25 +360,27 @@ class DistributedModel(torch.nn.Module):
 
     def is_scaled_batch_buffer(self, buf: torch.Tensor) -> bool:
         """True when ``buf`` belongs to a distributed module and tensor parallelism is on."""
-        return id(buf) in parameter_roles.scaled_batch_buffers(self.module, int(state.cfg.tensor_parallel_degree))
+        tp = int(state.cfg.tensor_parallel_degree)
+        return id(buf) in parameter_roles.scaled_batch_buffers(self.get_module(), tp)
 
     def default_reducer_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Named parameters whose gradients SMP all-reduces over the whole data-parallel group."""
-        return iter(parameter_roles.split_by_reducer(self.module)[0])
+        return iter(parameter_roles.split_by_reducer(self.get_module())[0])
 
     def scaled_batch_reducer_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Named parameters whose gradients SMP all-reduces over the reduced-data-parallel group."""
-        return iter(parameter_roles.split_by_reducer(self.module)[1])
+        return iter(parameter_roles.split_by_reducer(self.get_module())[1])
 
     def get_param_name(self, param: torch.nn.Parameter) -> str:
-        for name, p in self.module.named_parameters():
+        for name, p in self.get_module().named_parameters():
             if p is param:
                 return name
         raise KeyError("parameter does not belong to this model")
 
     def size(self) -> int:
         """Bytes of parameters and buffers."""
-        return sum(t.numel() * t.element_size() for t in [*self.module.parameters(), *self.module.buffers()])
+        module = self.get_module()
+        return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
     def train(self, mode: bool = True) -> DistributedModel:
         super().train(mode)

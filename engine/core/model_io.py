@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-MARKERS = ("_smp_is_partial", "_smp_load_info", "_smp_zero2d")
+from smp2ds.engine.core.checkpoint_format import MARKERS
 
 
 def cast_floating(obj: Any, dtype: torch.dtype, only: torch.dtype | None = None) -> Any:

@@ -18,6 +18,7 @@ import torch
 
 from smp2ds.engine.core import object_collectives as collectives
 from smp2ds.engine.core.backend import Backend
+from smp2ds.engine.core.checkpoint_format import PARTIAL_MARK
 from smp2ds.engine.core.deepspeed_config import LossScaleArgs
 from smp2ds.engine.core.ranks import CommGroup
 from smp2ds.engine.core.state import state
@@ -262,7 +263,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> dict[str, Any]:
         """This rank's optimizer state (its ZeRO partition with ``shard_optimizer_state``)."""
         sd = self.backend.optimizer_state_dict()
-        return {"ds_optimizer": _cpu_tree(sd) if cast_to_cpu else sd, "smp2ds": self._meta(), "_smp_is_partial": True}
+        return {"ds_optimizer": _cpu_tree(sd) if cast_to_cpu else sd, "smp2ds": self._meta(), PARTIAL_MARK: True}
 
     local_optimizer_state_dict = local_state_dict
 
@@ -270,9 +271,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The whole optimizer state: with ``shard_optimizer_state`` every rank's partition, gathered."""
         local = self.local_state_dict(cast_to_cpu)
         if not self.backend.optimizer_state_is_sharded:
-            return {**local, "_smp_is_partial": False}
+            return {**local, PARTIAL_MARK: False}
         parts = collectives.allgather(local, CommGroup.RDP_GROUP)
-        return {"partitions": parts, "smp2ds": self._meta(), "_smp_is_partial": False}
+        return {"partitions": parts, "smp2ds": self._meta(), PARTIAL_MARK: False}
 
     def load_state_dict(self, state_dict: dict[str, Any], gather_if_shard: bool = False) -> None:  # type: ignore[override]
         """Load what ``state_dict``/``local_state_dict`` produced (or a plain PyTorch optimizer dict)."""

@@ -50,5 +50,5 @@ def save_pretrained(model: Any, save_directory: str, **kwargs: Any) -> None:
     full = to_hf_names(given if given is not None else model.state_dict())
     if state.groups.rank == 0:
         kwargs.setdefault("is_main_process", True)
-        hf_model_for(model.module).save_pretrained(save_directory, state_dict=full, **kwargs)
+        hf_model_for(model.get_module()).save_pretrained(save_directory, state_dict=full, **kwargs)
     collectives.barrier()

@@ -94,11 +94,11 @@ def api_checks(tmp: str) -> dict:
     out["is_module_eval"] = (model.eval().module.training, model.train().module.training)
     # activation checkpointing changes memory, not maths
     x = torch.randn(4, 4)
-    ref_grad = torch.autograd.grad(model.module(x).sum(), list(model.parameters()))
-    smp.set_activation_checkpointing(model.module[0])
-    ckpt_grad = torch.autograd.grad(model.module(x).sum(), list(model.parameters()))
+    ref_grad = torch.autograd.grad(model.get_module()(x).sum(), list(model.parameters()))
+    smp.set_activation_checkpointing(model.get_module()[0])
+    ckpt_grad = torch.autograd.grad(model.get_module()(x).sum(), list(model.parameters()))
     out["ckpt_equal"] = all(torch.allclose(a, b) for a, b in zip(ref_grad, ckpt_grad))
-    out["ckpt_fn"] = torch.allclose(smp.checkpoint(model.module[2], torch.ones(1, 4)), model.module[2](torch.ones(1, 4)))
+    out["ckpt_fn"] = torch.allclose(smp.checkpoint(model.get_module()[2], torch.ones(1, 4)), model.get_module()[2](torch.ones(1, 4)))
     # smp.save/smp.load: per-rank names found from the same prefix; missing parts are an error
     smp.save({"r": r}, os.path.join(tmp, "obj"), partial=True)
     smp.barrier()
@@ -143,3 +143,25 @@ def group_checks(config: dict) -> dict:
                      "sum": t.item(), "expected_sum": float(sum(members))}
     smp.barrier()
     return out
+
+
+def wrapper_chain_checks(config: dict) -> dict:
+    """The classes from ``DistributedModel`` down ``.module`` to the user's model, whether the first one is a torch
+    ``DistributedDataParallel``, what a wrapper reads from the model and returns when called, and the names."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(config)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    net.custom = 7
+    model = smp.DistributedModel(net)
+    chain, current = [], model.module
+    while current is not net:
+        chain.append(type(current).__name__)
+        current = current.module
+    x = torch.ones(1, 4)
+    return {"chain": chain, "ddp_instance": isinstance(model.module, DistributedDataParallel),
+            "custom": model.module.custom, "get_module": model.get_module() is net,
+            "same_call": torch.equal(model.module(x), net(x)) if smp.pp_size() == 1 else None,
+            "names": sorted(n for n, _ in model.named_parameters()), "modules": len(list(model.modules()))}

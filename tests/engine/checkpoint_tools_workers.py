@@ -61,10 +61,10 @@ def _train(smp: Any, phase: dict, root: str, b: int) -> dict:
             smp.save_checkpoint(os.path.join(root, phase["name"]), "step1", partial=True, model=model, optimizer=opt)
     out: dict[str, Any] = {}
     if int(smp.state.cfg.pipeline_parallel_degree) == 1:
-        model.module.eval()
+        model.get_module().eval()
         with torch.no_grad():
             out["logits"] = model(input_ids=PROBE, use_cache=False).logits.detach().cpu().clone()
-        model.module.train()
+        model.get_module().train()
     full = model.state_dict()
     smp.save_checkpoint(os.path.join(root, phase["name"]), "step2", partial=True, model=model, optimizer=opt,
                         user_content={"step": 2})

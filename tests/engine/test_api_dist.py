@@ -55,3 +55,23 @@ def test_every_smp_group_connects_the_ranks_the_topology_names():
             g = out[kind]
             assert g["allgather"] == g["members"] == g["lister"], (kind, g)
             assert g["sum"] == g["expected_sum"], (kind, g)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,chain", [
+    ({"ddp": True}, ["DataParallelWrapper"]),
+    ({"ddp": True, "bf16": True}, ["DataParallelWrapper", "Bit16Wrapper"]),
+    ({"ddp": False, "partitions": 2, "microbatches": 1}, []),
+    ({"ddp": True, "sharded_data_parallel_degree": 2}, []),
+])
+def test_model_module_is_the_wrapper_chain_smp_scripts_walk(config, chain):
+    """SMP's ``model.module``: its DDP wrapper under ddp (not under sharded data parallelism), a 16-bit wrapper
+    inside it under bf16; the wrappers are invisible to names, ``modules()`` and ``state_dict``."""
+    from tests.engine.api_workers import wrapper_chain_checks
+
+    for out in run_ranks(wrapper_chain_checks, 2, config):
+        assert out["chain"] == chain
+        assert out["ddp_instance"] == (chain[:1] == ["DataParallelWrapper"])
+        assert out["custom"] == 7 and out["get_module"]
+        assert out["same_call"] in (True, None)
+        assert out["names"] == ["0.bias", "0.weight", "1.bias", "1.weight"] and out["modules"] == 4  # DistributedModel, Sequential, 2 Linear

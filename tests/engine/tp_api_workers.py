@@ -149,10 +149,10 @@ def reference(kind: str, seed: int, steps: int, data_ranks: int, b: int, lr_scal
 # ---- rank bodies ------------------------------------------------------------------------------------
 def _introspect(model: Any) -> dict:
     """Every helper's answer, by name, and what the sharding says about each parameter."""
-    names = {id(m): n for n, m in model.module.named_modules()}
+    names = {id(m): n for n, m in model.get_module().named_modules()}
     full = model.state_dict()
     params = dict(model.named_parameters())
-    buffers = dict(model.module.named_buffers())
+    buffers = dict(model.get_module().named_buffers())
     return {
         "modules": sorted(names[id(m)] for m in model.distributed_modules()),
         "distributed": sorted(n for n, p in params.items() if model.is_distributed_parameter(p)),
@@ -162,7 +162,7 @@ def _introspect(model: Any) -> dict:
         "scaled_reducer": sorted(n for n, _ in model.scaled_batch_reducer_named_parameters()),
         "buffers": {n: (model.is_distributed_buffer(b), model.is_scaled_batch_buffer(b)) for n, b in buffers.items()},
         "scaled_state": sorted(k for k in model.local_state_dict(scaled_batch_only=True) if not k.startswith("_smp")),
-        "holders": sorted(names[id(m)] for m in model.module.modules()
+        "holders": sorted(names[id(m)] for m in model.get_module().modules()
                           if any(model.is_distributed_parameter(p) for p in m.parameters(recurse=False))),
     }
 
@@ -205,7 +205,7 @@ def run_api(b: int, ckpt_dir: str) -> dict:
     for kind, seed in (("user", 22), ("vocab", 23)):
         smp.reset()
         model = smp.DistributedModel(build(kind, seed + 100, tp=True))  # fresh weights, then the reference's
-        out[kind] = {"report": dict(vars(model.module._smp2ds_tp_report))}
+        out[kind] = {"report": dict(vars(model.get_module()._smp2ds_tp_report))}
         model.load_state_dict(build(kind, seed, tp=False).state_dict())
         out[kind].update(_introspect(model))
         out[kind].update(_train(model, kind, loss_of, 3, b, ids_with_padding))

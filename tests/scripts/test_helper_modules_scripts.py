@@ -2,7 +2,9 @@
 unchanged script (``helper_modules/train_with_smp_helpers.py``) under ``torchrun``: FusedLAMB over data
 parallelism, a pipeline and tensor parallelism (its global gradient norm is the whole model's), FusedAdam and
 FusedNovoGrad, each equal to the same script run as one plain process; ``rmsg`` prefixes the rank, ``state``
-is the running state, ``get_distribution_axis`` names the parameters tensor parallelism split. The update rules
+is the running state, ``get_distribution_axis`` names the parameters tensor parallelism split, and
+``model.module.module`` is the model behind SMP's data-parallel wrapper (an instance of torch's
+``DistributedDataParallel``, as the examples' unwrapping loops expect). The update rules
 themselves are checked against apex's formulas, step by step, in one process."""
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def test_script_using_smp_helper_modules_matches_one_process(optimizer, paramete
     data_ranks = reports[0]["dp_size"]
     ref = _reference(optimizer, data_ranks)
     for rank, rep in enumerate(reports):
+        assert rep["walked_is_model"] and rep["wrapper_is_ddp"]
         assert rep["state_model_is_model"] and rep["microbatches"] == parameters.get("microbatches", 1)
         assert rep["log"][0].startswith(f"[{rank}] step 0 loss")
         if parameters.get("tensor_parallel_degree", 1) > 1:  # nn.Linear -> DistributedLinear, split on dim 0

@@ -16,7 +16,12 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-MARKERS = ("_smp_is_partial", "_smp_load_info")
+from smp2ds.engine.core.checkpoint_format import MARKERS
+
+
+def count_layers(state_dict: Mapping[str, Any], pattern: str) -> int:
+    """How many distinct layer indices ``pattern`` (one group: the index) finds among the keys."""
+    return len({m.group(1) for k in state_dict if (m := re.match(pattern, k))})
 
 
 def same_layout(state_dict: Mapping[str, Any]) -> dict[str, Any]:

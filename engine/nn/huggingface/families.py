@@ -22,6 +22,16 @@ BLOCK_RULES: dict[str, BlockRule] = {**gpt2.BLOCK_RULES, **llama.BLOCK_RULES, **
                                      **gptneo.BLOCK_RULES}
 """Block class name -> how the tensor-parallel package shards it in place."""
 
+EXPORTS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
+    family.MODEL_TYPE: family.export_to_hf for family in (gpt2, gptneo, gptneox, gptj)}
+"""Hugging Face ``model_type`` -> its offline export from SMP's distributed-transformer names
+(``(state_dict, num_attention_heads) -> Hugging Face state dict``)."""
+
+CONFIGS_FROM_SHAPES: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
+    family.MODEL_TYPE: family.config_from_shapes for family in (gpt2, llama, gptneox)}
+"""Hugging Face ``model_type`` -> a ``config.json`` dict read from a Hugging Face-named state dict's shapes and
+the head count (which no shape holds); KeyError when the state dict lacks a tensor the family always has."""
+
 
 @dataclass(frozen=True)
 class LMReplacement:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
-from smp2ds.engine.nn.huggingface import older_name, same_layout
+from smp2ds.engine.nn.huggingface import count_layers, older_name, same_layout
 from smp2ds.engine.nn.huggingface.dt_arguments import activation, gpt_sizes
 from smp2ds.engine.nn.parallel.block_rule import BlockRule
 
@@ -156,8 +156,26 @@ translate_hf_state_dict_to_smdistributed = older_name(
 # ---- GPT-2 for the tensor-parallel package and SMP's transformer replacement ------------------------------
 BLOCK_RULES = {"GPT2Block": BlockRule("gpt2", column=("attn.c_attn", "mlp.c_fc"), row=("attn.c_proj", "mlp.c_proj"),
                                       heads=("attn.num_heads", "attn.split_size", "attn.embed_dim"),
-                                      fused={"attn.c_attn": 3})}
-"""GPT-2's block sharded in place: ``c_attn`` holds q, k and v one after the other (3 blocks)."""
+                                      fused={"attn.c_attn": 3}, conv1d=True)}
+"""GPT-2's block sharded in place: ``c_attn`` holds q, k and v one after the other (3 blocks), every projection a
+``Conv1D``."""
+
+MODEL_TYPE = "gpt2"
+
+
+def export_to_hf(state_dict: Mapping[str, Any], num_attention_heads: int) -> dict[str, Any]:
+    """Offline export (``smp2ds checkpoint export``): SMP's distributed-transformer names -> Hugging Face's."""
+    return translate_state_dict_to_hf_gpt2(state_dict)
+
+
+def config_from_shapes(state_dict: Mapping[str, Any], num_attention_heads: int) -> dict[str, Any]:
+    """A ``config.json`` dict with every size a Hugging Face-named GPT-2 state dict's shapes tell (KeyError when a
+    tensor GPT-2 always has is missing)."""
+    vocab, hidden = state_dict["transformer.wte.weight"].shape
+    return {"model_type": MODEL_TYPE, "vocab_size": vocab, "n_embd": hidden, "n_head": num_attention_heads,
+            "n_positions": state_dict["transformer.wpe.weight"].shape[0],
+            "n_layer": count_layers(state_dict, r"transformer\.h\.(\d+)\."),
+            "n_inner": state_dict["transformer.h.0.mlp.c_fc.weight"].shape[1]}
 
 
 def gpt2_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:

@@ -52,6 +52,13 @@ BLOCK_RULES = {"GPTJBlock": BlockRule("gptj", column=("attn.q_proj", "attn.k_pro
                                       row=("attn.out_proj", "mlp.fc_out"),
                                       heads=("attn.num_attention_heads", "attn.embed_dim"))}
 
+MODEL_TYPE = "gptj"
+
+
+def export_to_hf(state_dict: Mapping[str, Any], num_attention_heads: int) -> dict[str, Any]:
+    """Offline export (``smp2ds checkpoint export``): SMP's distributed-transformer names -> Hugging Face's."""
+    return translate_state_dict_to_hf_gptj(state_dict)
+
 
 def gptj_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     """``DistributedTransformerLMHead`` arguments for a GPT-J config (interleaved rotary, one layer norm

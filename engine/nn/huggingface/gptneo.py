@@ -63,6 +63,13 @@ BLOCK_RULES = {"GPTNeoBlock": BlockRule("gpt_neo", column=("attn.attention.q_pro
                                         row=("attn.attention.out_proj", "mlp.c_proj"),
                                         heads=("attn.attention.num_heads", "attn.attention.embed_dim"))}
 
+MODEL_TYPE = "gpt_neo"
+
+
+def export_to_hf(state_dict: Mapping[str, Any], num_attention_heads: int) -> dict[str, Any]:
+    """Offline export (``smp2ds checkpoint export``): SMP's distributed-transformer names -> Hugging Face's."""
+    return translate_state_dict_to_hf_gptneo(state_dict)
+
 
 def gptneo_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
     """``DistributedTransformerLMHead`` arguments for a GPT-Neo config: global and local (windowed) attention

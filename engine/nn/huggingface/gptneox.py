@@ -29,7 +29,7 @@ import torch
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.integrations.transformers_compat import rope_parameters
-from smp2ds.engine.nn.huggingface import older_name, same_layout
+from smp2ds.engine.nn.huggingface import count_layers, older_name, same_layout
 from smp2ds.engine.nn.huggingface.dt_arguments import activation
 from smp2ds.engine.nn.parallel.block_rule import BlockRule
 
@@ -146,6 +146,22 @@ BLOCK_RULES = {"GPTNeoXLayer": BlockRule("gpt_neox", column=("attention.query_ke
                                          row=("attention.dense", "mlp.dense_4h_to_h"),
                                          heads=("attention.num_attention_heads",))}
 """GPT-NeoX's layer sharded in place: ``query_key_value`` is laid out per head (one block)."""
+
+MODEL_TYPE = "gpt_neox"
+
+
+def export_to_hf(state_dict: Mapping[str, Any], num_attention_heads: int) -> dict[str, Any]:
+    """Offline export (``smp2ds checkpoint export``): SMP's distributed-transformer names -> Hugging Face's."""
+    return translate_state_dict_to_hf_gptneox(state_dict, num_attention_heads=num_attention_heads)
+
+
+def config_from_shapes(state_dict: Mapping[str, Any], num_attention_heads: int) -> dict[str, Any]:
+    """A ``config.json`` dict with every size a Hugging Face-named GPT-NeoX state dict's shapes tell."""
+    vocab, hidden = state_dict["gpt_neox.embed_in.weight"].shape
+    return {"model_type": MODEL_TYPE, "vocab_size": vocab, "hidden_size": hidden,
+            "num_attention_heads": num_attention_heads,
+            "num_hidden_layers": count_layers(state_dict, r"gpt_neox\.layers\.(\d+)\."),
+            "intermediate_size": state_dict["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"].shape[0]}
 
 
 def gptneox_arguments(config: Any, settings: dict[str, Any]) -> dict[str, Any]:

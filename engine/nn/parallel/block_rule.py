@@ -19,3 +19,5 @@ class BlockRule:
     """``path.attr`` of per-rank sizes the attention reads (head counts, split sizes); divided by tp."""
     fused: dict[str, int] = field(default_factory=dict)
     """Column projections holding several equal blocks (q, k, v) side by side."""
+    conv1d: bool = False
+    """The projections are transformers' ``Conv1D`` (weight stored input features first), not ``nn.Linear``."""

@@ -4,7 +4,10 @@
   ``FusedNovoGrad`` (the Mask R-CNN example), chosen by ``--optimizer``;
 * ``from smdistributed.modelparallel.torch.state_mod import state`` (``state.cfg``, ``state.model``);
 * ``from smdistributed.modelparallel.torch.utils import rmsg, get_distribution_axis`` (log lines, and the
-  parameters tensor parallelism split).
+  parameters tensor parallelism split);
+* ``model.module.module``: the model behind SMP's data-parallel wrapper, the way SMP's tensor-parallel GPT-J and
+  ViT examples reach it (to checkpoint its layers' activations), and the GPT example's loop that unwraps while
+  ``isinstance(m, DistributedDataParallel)``.
 
 A small MLP, its layers built inside ``smp.tensor_parallelism()`` and assigned to pipeline partitions with
 ``smp.partition``, trained for a few steps through ``@smp.step`` (each data-parallel rank its own rows). With
@@ -20,6 +23,7 @@ import os
 
 import torch
 from torch import nn
+from torch.nn.parallel.distributed import DistributedDataParallel
 
 import smdistributed.modelparallel.torch as smp
 from smdistributed.modelparallel.torch.optimizers import FusedAdam, FusedLAMB, FusedNovoGrad
@@ -88,6 +92,11 @@ def main():
     with smp.tensor_parallelism(enabled=smp.tp_size() > 1):
         net = Net(state.cfg.pipeline_parallel_degree > 1)
     model = smp.DistributedModel(net)
+    walked = model.module.module  # every layout here has ddp: SMP's DDP wrapper sits between
+    smp.set_activation_checkpointing(walked.up)
+    unwrapped = model.module
+    while isinstance(unwrapped, DistributedDataParallel):
+        unwrapped = unwrapped.module
     opt = smp.DistributedOptimizer(make_optimizer(args.optimizer, model.parameters()))
     split = sorted(n for n, p in model.local_named_parameters() if get_distribution_axis(p) is not None)
 
@@ -108,7 +117,9 @@ def main():
     weights = {k: v.flatten().tolist() for k, v in model.state_dict().items()}
     report = {"rank": smp.rank(), "losses": losses, "weights": weights, "log": log, "split": split,
               "microbatches": state.cfg.microbatches, "state_model_is_model": state.model is model,
-              "dp_size": smp.dp_size(), "dp_rank": smp.dp_rank()}
+              "dp_size": smp.dp_size(), "dp_rank": smp.dp_rank(),
+              "walked_is_model": walked is model.get_module() and unwrapped is walked,
+              "wrapper_is_ddp": isinstance(model.module, DistributedDataParallel)}
     with open(os.path.join(out, f"rank{smp.rank()}.json"), "w") as f:
         json.dump(report, f)
 

@@ -165,7 +165,7 @@ def main() -> None:
 
     result = {"rank": smp.rank(), "pp_rank": smp.pp_rank(), "dp_rank": smp.dp_rank(), "losses": losses,
               "norms": norms, "eval_loss": eval_loss,
-              "local_modules": sorted(name for name, m in model.module.named_modules()
+              "local_modules": sorted(name for name, m in model.get_module().named_modules()
                                       if any(m is lm for lm in model.local_modules())),
               "state": {k: v.tolist() for k, v in model.state_dict().items()}}
     with open(os.path.join(os.environ["SMP2DS_SCRIPT_OUT"], f"rank{smp.rank()}.json"), "w") as f:
