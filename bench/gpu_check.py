@@ -17,7 +17,9 @@ all defaults about 6) or
    checkpointing of every block; AdamW) for plain PyTorch (autocast), native DeepSpeed
    (``deepspeed.initialize`` with ZeRO 0 and exactly the DeepSpeed config smp2ds builds) and smp2ds
    (``smp.init`` + ``smp.DistributedModel`` + ``@smp.step``): median and best step after warm-up, the
-   ratio to DeepSpeed and, on cuda, ``torch.cuda.max_memory_allocated``.
+   ratio to DeepSpeed and, on cuda, ``torch.cuda.max_memory_allocated``; also smp2ds with the GPT-2 replaced by
+   SMP's distributed transformer at tensor_parallel_degree 1 (its ratio to the kept Hugging Face model, SDPA, in
+   the detail), and native DeepSpeed and smp2ds compiled (``engine.compile()``; ``SMP2DS_COMPILE=1``).
 
 Each case runs in its own process with a timeout, so one failure does not hide the others. The exit
 status is 1 when any case failed (skipped ones do not count), 2 for a usage error.
@@ -50,8 +52,12 @@ import gpu_check_wheels  # noqa: E402 - this folder is not a package
 
 ROOT = gpu_check_wheels.ROOT
 CASES_SCRIPT = Path(__file__).resolve().parent / "gpu_check_cases.py"
-RUNNERS = ("plain", "deepspeed", "smp2ds")
-RUNNER_NAMES = {"plain": "plain PyTorch", "deepspeed": "DeepSpeed", "smp2ds": "smp2ds"}
+RUNNERS = ("plain", "deepspeed", "smp2ds", "smp2ds_dt", "deepspeed_compile", "smp2ds_compile")
+RUNNER_NAMES = {"plain": "plain PyTorch", "deepspeed": "DeepSpeed", "smp2ds": "smp2ds",
+                "smp2ds_dt": "smp2ds, distributed transformer (tp 1)", "deepspeed_compile": "DeepSpeed, compile",
+                "smp2ds_compile": "smp2ds, SMP2DS_COMPILE=1"}
+KEPT_MODEL_TARGET = 1.00
+"""The distributed transformer's step time over the kept Hugging Face model's (SDPA), at most (issue 31)."""
 DEFAULTS = {  # device -> timing sizes, precisions, warm-up and measured steps, per-case timeout (s), parallel jobs
     "cuda": {"sizes": ["124M", "355M"], "precisions": ["bf16", "fp16"], "warmup": 5, "steps": 50, "timeout": 240,
              "jobs": 4},
@@ -207,7 +213,7 @@ def timing_rows(results: dict[str, dict[str, Any]], size: str, precision: str) -
     """Add the ratio to DeepSpeed and the same-config note to one size/precision group."""
     ds = results["deepspeed"]
     rows = []
-    for runner in RUNNERS:
+    for runner in (r for r in RUNNERS if r in results):
         row = results[runner]
         if row["status"] == "ok" and ds["status"] == "ok":
             row["ratio"] = row["median_s"] / ds["median_s"]
@@ -216,6 +222,11 @@ def timing_rows(results: dict[str, dict[str, Any]], size: str, precision: str) -
             suspects = f"; {row['suspects']}" if row.get("suspects") else ""
             row.setdefault("detail", f"loss after {row['steps']} timed steps {row['loss']:.4f}{suspects}")
         rows.append(row)
+    dt, kept = results.get("smp2ds_dt"), results["smp2ds"]
+    if dt is not None and dt["status"] == "ok" and kept["status"] == "ok":
+        vs_kept = dt["median_s"] / kept["median_s"]
+        dt["detail"] = dt.get("detail", "") + (f"; {vs_kept:.3f}x the kept HF model (SDPA), target <= "
+                                               f"{KEPT_MODEL_TARGET:.2f}")
     smp = results["smp2ds"]
     if smp.get("ds_config") and ds.get("ds_config"):
         same = smp["ds_config"] == ds["ds_config"]

@@ -10,7 +10,8 @@ and reads the result this process writes to ``OUT_JSON``: ``{"status": "ok" | "f
   Hugging Face training from the same weights on the same data.
 * ``gpt2_deepspeed``: the same GPT-2 on native DeepSpeed with the config smp2ds builds (the losses the
   ``gpt2`` cases are held to, by the parent).
-* ``time``: median step time of one runner (plain PyTorch, native DeepSpeed, smp2ds) on the same GPT-2.
+* ``time``: median step time of one runner (plain PyTorch, native DeepSpeed, smp2ds; smp2ds with the model
+  replaced by SMP's distributed transformer; native DeepSpeed and smp2ds compiled) on the same GPT-2.
 * ``profile``: per-operator time of one runner's steps under ``torch.profiler`` (``bench/step_profile.py``).
 * ``mlp_compare``: the weights ``examples/train_smp_mlp.py`` dumped against plain PyTorch training.
 """
@@ -188,7 +189,47 @@ def _smp2ds(spec: dict, model: Any, ids: torch.Tensor, device: torch.device) -> 
     return step
 
 
-RUNNERS = {"plain": _plain, "deepspeed": _deepspeed, "smp2ds": _smp2ds}
+def _deepspeed_compile(spec: dict, model: Any, ids: torch.Tensor, device: torch.device) -> Any:
+    """Native DeepSpeed as in ``_deepspeed``, then its ``engine.compile()`` (the baseline of smp2ds's compile row)."""
+    engine = _native_engine(spec["precision"], model, _loss_scale_kwargs(spec["precision"]))
+    engine.compile()
+    spec["_ds_config"] = _ds_param_dict(engine)
+    return _engine_step(engine, ids)
+
+
+def _smp2ds_compile(spec: dict, model: Any, ids: torch.Tensor, device: torch.device) -> Any:
+    """smp2ds with ``SMP2DS_COMPILE=1``: the engine calls DeepSpeed's ``engine.compile()`` before the first step."""
+    os.environ["SMP2DS_COMPILE"] = "1"  # this case's own process: read by the engine at the first @smp.step
+    return _smp2ds(spec, model, ids, device)
+
+
+def _smp2ds_dt(spec: dict, model: Any, ids: torch.Tensor, device: torch.device) -> Any:
+    """The same GPT-2 replaced by SMP's distributed transformer at tensor_parallel_degree 1 (fused softmax, and
+    flash attention through SDPA on cuda), loaded with the kept model's weights; SMP's activation checkpointing
+    of every block's attention and output layers, as SMP's GPT-2 example sets it."""
+    import smdistributed.modelparallel.torch as smp
+    from smdistributed.modelparallel.torch.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2
+
+    smp.init(_smp_params(spec["precision"]))
+    extras: dict[str, Any] = {"fused_softmax": True, **({"flash_attention": True} if device.type == "cuda" else {})}
+    with smp.model_creation(tensor_parallelism=True, **extras):
+        replaced = _gpt2(SIZES[spec["size"]])
+    replaced = smp.DistributedModel(replaced)
+    replaced.load_state_dict(translate_hf_state_dict_to_smdistributed_gpt2(model.state_dict()))
+    for block in replaced.get_module().transformer.seq_layers.children():
+        smp.set_activation_checkpointing(block.attention)
+        smp.set_activation_checkpointing(block.output)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(replaced.parameters(), lr=LR),
+                                   **_loss_scale_kwargs(spec["precision"]))
+    step = _smp_step(smp, replaced, opt, ids)
+    step()  # builds the engine; counts as the first warm-up step
+    spec["_steps_taken"] = 1
+    spec["_model_class"] = type(replaced.get_module()).__name__
+    return step
+
+
+RUNNERS = {"plain": _plain, "deepspeed": _deepspeed, "smp2ds": _smp2ds, "smp2ds_dt": _smp2ds_dt,
+           "deepspeed_compile": _deepspeed_compile, "smp2ds_compile": _smp2ds_compile}
 
 
 def _warmed_up_runner(spec: dict) -> tuple[Any, torch.device, Any]:
@@ -220,6 +261,8 @@ def time_case(spec: dict) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     result: dict[str, Any] = {"status": "ok", "median_s": statistics.median(times), "best_s": min(times),
                               "steps": len(times), "loss": float(loss.detach()), "ds_config": spec.get("_ds_config")}
+    if spec.get("_model_class"):
+        result["suspects"] = f"model {spec['_model_class']}"
     if device.type == "cuda":
         result["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         result["suspects"] = _cuda_suspects(step, device)

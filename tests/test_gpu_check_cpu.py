@@ -58,6 +58,19 @@ def test_timing_rows_ratio_and_config_note(gpu_check):
     assert "DeepSpeed config DIFFERS from native" in rows[2]["detail"]
 
 
+def test_distributed_transformer_row_is_compared_with_the_kept_model(gpu_check):
+    def result(median):
+        return {"status": "ok", "median_s": median, "best_s": median, "steps": 8, "loss": 1.0, "ds_config": None}
+
+    results = {"plain": result(1.0), "deepspeed": result(1.0), "smp2ds": result(1.0), "smp2ds_dt": result(0.9),
+               "deepspeed_compile": result(0.8), "smp2ds_compile": result(0.8)}
+    rows = gpu_check.timing_rows(results, "124M", "bf16")
+    assert [r["name"] if "name" in r else None for r in rows] == [None] * 6
+    assert [round(r["ratio"], 2) for r in rows] == [1.0, 1.0, 1.0, 0.9, 0.8, 0.8]
+    assert "0.900x the kept HF model (SDPA), target <= 1.00" in rows[3]["detail"]
+    assert set(gpu_check.RUNNERS) == set(results)
+
+
 def test_failed_runner_has_no_ratio(gpu_check):
     results = {"plain": {"status": "ok", "median_s": 1.0, "best_s": 1.0, "steps": 1, "loss": 1.0},
                "deepspeed": {"status": "failed", "detail": "exit 1"},

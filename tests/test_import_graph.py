@@ -457,9 +457,12 @@ def uncommented_local_imports(files: dict[str, Path], root: Path = ROOT) -> list
 
 
 def test_imports_inside_functions_say_why(graph):
+    """In the engine and in the CLI (whose subcommand modules import the pure translator at their top: only the
+    chosen subcommand's module is loaded, so a function-local import there needs a reason too)."""
     files, _ = graph
-    engine = {name: path for name, path in files.items() if name.startswith("smp2ds.engine")}
-    assert uncommented_local_imports(engine) == [], (
+    checked = {name: path for name, path in files.items()
+               if name.startswith(("smp2ds.engine", "smp2ds.translator.cli"))}
+    assert uncommented_local_imports(checked) == [], (
         "import at the top of the module, or say in a comment why it must wait (start-up time, optional part)")
 
 
@@ -468,3 +471,71 @@ def test_uncommented_local_imports_are_found(tmp_path):
     module.write_text("def f():\n    from smp2ds.engine import core\n\n\ndef g():\n"
                       "    from smp2ds.engine import mics  # start-up: imports DeepSpeed\n")
     assert uncommented_local_imports({"m": module}, root=tmp_path) == ["m.py:2"]
+
+
+# ---- docs/architecture.md says what these tests check ----------------------------------------------------------
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def _markdown_rows(text: str, header: str) -> list[list[str]]:
+    """The body rows (cells) of the table whose header row starts with ``header``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def _code_spans(cell: str) -> list[str]:
+    return cell.split("`")[1::2]
+
+
+def documented_layers(text: str) -> dict[str, set[str]]:
+    """The architecture page's layer table: engine package -> the engine packages it says the package may import."""
+    layers: dict[str, set[str]] = {}
+    for package_cell, allowed_cell in _markdown_rows(text, "| Package | May import |"):
+        packages = [span.removeprefix("engine/").removesuffix("/").removesuffix(".py")
+                    for span in _code_spans(package_cell) if span.startswith("engine/")]
+        allowed = {span for span in _code_spans(allowed_cell) if span in LAYERS}
+        for package in packages:
+            if package in LAYERS:
+                layers[package] = allowed
+    return layers
+
+
+def test_the_architecture_pages_layer_table_is_the_enforced_one():
+    assert documented_layers(ARCHITECTURE.read_text()) == LAYERS
+
+
+def torch_distributed_importers(root: Path = ROOT) -> set[str]:
+    """The engine's modules that import ``torch.distributed`` (or a module under it)."""
+    found = set()
+    for path in (root / "engine").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            if any(name == "torch.distributed" or name.startswith("torch.distributed.") for name in names):
+                found.add(path.relative_to(root).as_posix())
+    return found
+
+
+def test_the_modules_that_import_torch_distributed_are_the_documented_ones():
+    documented = {cells[0].strip("`") for cells in _markdown_rows(ARCHITECTURE.read_text(), "| Module | Why |")}
+    assert torch_distributed_importers() == documented
+
+
+def test_process_groups_are_created_in_one_module():
+    """``comm.new_group`` (the only caller of torch's) is called from ``core/process_groups.py`` alone."""
+    callers = set()
+    for path in (ROOT / "engine").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "new_group":
+                callers.add(path.relative_to(ROOT).as_posix())
+    assert callers == {"engine/core/comm.py", "engine/core/process_groups.py"}

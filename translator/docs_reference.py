@@ -34,6 +34,9 @@ WHEN: dict[str, str] = {
     "tp_sdp": "tensor_parallel_degree > 1 and sharded_data_parallel_degree > 1 without prescaled_batch",
     "tp_runs": "when tensor parallelism runs",
     "offload": "with offload_activations: true",
+    "bf16_zero1": "when true, with shard_optimizer_state (ZeRO-1)",
+    "bf16_zero3": "when true, with sharded_data_parallel_degree > 1 (ZeRO-3)",
+    "bf16_pipeline": "when true, with pipeline_parallel_degree > 1 and no ZeRO",
 }
 """Words for each keymap condition; a condition missing here is a KeyError, so the page stays complete."""
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .bf16_settings import bf16_note, bf16_path
 from .layout import params_pointer
 from .plan_types import Fate, KeyNote, SMPConfig
 from .tensor_parallel import TP_ENGINE, TP_WITH_SDP_UNSUPPORTED, runs
@@ -40,6 +41,9 @@ CONDITIONS: dict[str, Condition] = {
     and not p.get("prescaled_batch", False),
     "tp_runs": lambda p, v: runs(p),
     "offload": lambda p, v: p.get("offload_activations") is True,
+    "bf16_zero1": lambda p, v: v is True and bf16_path(p) == "zero1",
+    "bf16_zero3": lambda p, v: v is True and bf16_path(p) == "zero3",
+    "bf16_pipeline": lambda p, v: v is True and bf16_path(p) == "pipeline",
 }
 
 
@@ -247,7 +251,16 @@ KEYMAP_V1: dict[str, tuple[Rule, ...]] = {
         _r("mapped", "/deepspeed/fp16/enabled", "fp16 with dynamic loss scaling; smp.DistributedOptimizer's "
            "loss-scale arguments replace the scaler settings at run time"),
     ),
-    "bf16": (_r("mapped", "/deepspeed/bf16/enabled", "bf16 training (no loss scaling)"),),
+    "bf16": (
+        _r("mapped", "/deepspeed/bf16/check_grad_overflow", bf16_note({"bf16": True, "shard_optimizer_state": True}),
+           "bf16_zero1"),
+        _r("mapped", "/deepspeed/bf16/check_grad_overflow",
+           bf16_note({"bf16": True, "sharded_data_parallel_degree": 2}), "bf16_zero3"),
+        _r("mapped", "/deepspeed/bf16/check_grad_overflow", bf16_note({"bf16": True, "pipeline_parallel_degree": 2}),
+           "bf16_pipeline"),
+        _r("mapped", "/deepspeed/bf16/check_grad_overflow", bf16_note({"bf16": True}), "true"),
+        _r("mapped", "/deepspeed/bf16/enabled", "false: no bf16"),
+    ),
     "fp16_params": (
         _r("mapped", "/deepspeed/fp16/enabled",
            "deprecated since SMP 1.12 in favour of fp16; treated as fp16", "true"),

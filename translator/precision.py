@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .bf16_settings import bf16_block
+
 Dtype = Literal["fp16", "bf16", "fp32"]
 
 # SMP's DynamicLossScaler defaults (docs/smp-semantics.md#precision).
@@ -97,12 +99,13 @@ def fp16_block(
 
 
 def precision_blocks(params: Mapping[str, Any]) -> dict[str, Any]:
-    """Top-level ``fp16`` and ``bf16`` blocks (both always present, so the choice is explicit)."""
+    """Top-level ``fp16`` and ``bf16`` blocks (both always present, so the choice is explicit); the bf16
+    block writes out the speed switches :mod:`smp2ds.translator.bf16_settings` chooses."""
     dtype = dtype_of(params)
     fp16: dict[str, Any] = {"enabled": False}
     if dtype == "fp16":
         fp16, _ = fp16_block()
-    return {"fp16": fp16, "bf16": {"enabled": dtype == "bf16"}}
+    return {"fp16": fp16, "bf16": bf16_block(params) if dtype == "bf16" else {"enabled": False}}
 
 
 def gradient_clipping(params: Mapping[str, Any]) -> float:

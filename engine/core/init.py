@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from smp2ds.engine.core import comm, launch_env
+from smp2ds.engine.core import comm, launch_env, torch_compile
 from smp2ds.engine.core.backend_factory import prepare_groups
 from smp2ds.engine.core.process_groups import create_groups
 from smp2ds.engine.core.state import ConfigView, state
@@ -193,6 +193,7 @@ def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> 
     state.mics_groups = prepare_groups(plan, topology, launch)
     state.config, state.plan, state.launch, state.backend_name = cfg, plan, launch, backend
     state.cfg = ConfigView(cfg, plan)
+    torch_compile.check_setting(plan.engine_settings.backend.name)  # SMP2DS_COMPILE: refused here, not at a step
     os.environ.update(
         {"RANK": str(launch.rank), "WORLD_SIZE": str(launch.world_size), "LOCAL_RANK": str(launch.local_rank)}
     )

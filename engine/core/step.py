@@ -20,6 +20,7 @@ from smp2ds.engine.core.device_placement import arguments_to_device
 from smp2ds.engine.core.microbatch_split import Piece, check_spec, positional_names, split_named
 from smp2ds.engine.core.state import state
 from smp2ds.engine.core.step_output import collect
+from smp2ds.engine.core.torch_compile import ensure_compiled
 from smp2ds.engine.diagnostics import step_log
 from smp2ds.engine.exceptions import MissingDistributedModelError
 
@@ -61,6 +62,7 @@ class StepFunction:
             )
         if state.watchdog is not None:
             state.watchdog.forget_position()  # between steps: hold no finished collective's frame
+        ensure_compiled(model)  # SMP2DS_COMPILE=1 (an smp2ds setting): DeepSpeed's engine.compile(), once
         started = step_log.step_started()
         outputs = collect(model.run_step(self, args, kwargs), self.detach_outputs)
         step_log.step_finished(started, outputs)  # SMP2DS_LOG=info: one line every SMP2DS_LOG_FREQ steps

@@ -206,7 +206,9 @@ def test_fp16_uses_smp_dynamic_scaler_defaults_and_no_clipping():
 
 
 def test_bf16_and_fp32_blocks_are_explicit():
-    assert make({"bf16": True}, 1).deepspeed["bf16"] == {"enabled": True}
+    # the speed switches are written out too (smp2ds.translator.bf16_settings; tests/translator/test_bf16_settings.py)
+    assert make({"bf16": True}, 1).deepspeed["bf16"] == {"enabled": True, "check_grad_overflow": True,
+                                                          "immediate_grad_update": False}
     ds = make({}, 1).deepspeed
     assert ds["fp16"] == {"enabled": False} and ds["bf16"] == {"enabled": False}
 

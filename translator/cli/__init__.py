@@ -98,7 +98,7 @@ def layout_from_args(args: argparse.Namespace) -> Any:
     values = {name: getattr(args, name, None) for name in ("world_size", "gpus_per_node", "batch_size")}
     if all(v is None for v in values.values()):
         return None
-    from smp2ds.translator.plan_types import Layout
+    from smp2ds.translator.plan_types import Layout  # start-up: the entry module loads only what --help needs
 
     return Layout(**values)
 
@@ -214,7 +214,7 @@ def _underscore_flag(parser: argparse.ArgumentParser, argv: Sequence[str]) -> st
 
 def run_guarded(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run a subcommand, mapping expected failures to messages and exit codes (never a traceback)."""
-    from smp2ds.translator.issues import InputError, SMPConfigError
+    from smp2ds.translator.issues import InputError, SMPConfigError  # start-up: as above, once a command runs
 
     # `launch --config FILE` names its document `config`; every other command `file`
     source = source_name(getattr(args, "file", None) or getattr(args, "config", None) or "")

@@ -77,8 +77,9 @@ def _add_path(parser: argparse.ArgumentParser) -> None:
 
 def checkpoint_command(args: argparse.Namespace) -> int:
     """Run the chosen action; a refused argument is a usage error (2), a broken checkpoint exit 1."""
+    # the offline checkpoint tools read tensors: torch is imported only when this command runs
     from smp2ds.engine.checkpoint_tools import commands
-    from smp2ds.engine.exceptions import SMPCheckpointError, SMPError
+    from smp2ds.engine.exceptions import SMPCheckpointError, SMPError  # with the tools above
 
     try:
         if args.action == "inspect":

@@ -21,6 +21,16 @@ import os
 import sys
 from typing import Any
 
+from smp2ds.translator.cluster_job import cluster_job
+from smp2ds.translator.issues import Issue, SMPConfigError
+from smp2ds.translator.kubernetes import check_job_name, pytorchjob, render_manifest
+from smp2ds.translator.kubernetes import job_name as k8s_name
+from smp2ds.translator.load import load_document
+from smp2ds.translator.normalize import normalize
+from smp2ds.translator.planner import plan
+from smp2ds.translator.sagemaker_paths import map_paths
+from smp2ds.translator.slurm import check_sbatch_options, job_name, render_sbatch, slurm_spec
+
 from . import (
     EXIT_OK,
     UsageError,
@@ -102,9 +112,6 @@ def convert_command(args: argparse.Namespace) -> int:
                          f"use them with --to {' / '.join(PATH_TARGETS)}, not --to {args.to}")
     _check_cluster_flags(args)
 
-    from smp2ds.translator.load import load_document
-    from smp2ds.translator.normalize import normalize
-    from smp2ds.translator.planner import plan
 
     from . import report
 
@@ -150,14 +157,12 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
         raise UsageError("--to kubernetes needs --image IMAGE: the container image that holds the training script, "
                          "smp2ds and torch")
     if args.to == "slurm":
-        from smp2ds.translator.slurm import check_sbatch_options
 
         try:
             args.sbatch = check_sbatch_options(args.sbatch)
         except ValueError as err:
             raise UsageError(str(err)) from None
     if args.job_name is not None and args.to == "kubernetes":
-        from smp2ds.translator.kubernetes import check_job_name
 
         try:
             check_job_name(args.job_name)
@@ -170,7 +175,6 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
 def render_cluster(result: Any, args: argparse.Namespace, entry_point: str | None, config: Any) -> str:
     """``--to slurm``: the sbatch script (``--format json``: its parts); ``--to kubernetes``: the PyTorchJob, as
     YAML, or JSON with ``--format json``, ``-o FILE.json`` or without PyYAML."""
-    from smp2ds.translator.cluster_job import cluster_job
 
     from . import report
 
@@ -179,13 +183,10 @@ def render_cluster(result: Any, args: argparse.Namespace, entry_point: str | Non
     job = cluster_job(result.launcher, entry_point, _local_paths(args), ddp_port)
     instance = f"{config.instance_count} x {config.instance_type}" if config.instance_type else None
     if args.to == "slurm":
-        from smp2ds.translator.slurm import job_name, render_sbatch, slurm_spec
 
         options = {"name": args.job_name or job_name(source_name(args.file)), "gpus": not args.cpu,
                    "extra": args.sbatch, "instance": instance}
         return report.dump_json(slurm_spec(job, **options)) if args.format == "json" else render_sbatch(job, **options)
-    from smp2ds.translator.kubernetes import job_name as k8s_name
-    from smp2ds.translator.kubernetes import pytorchjob, render_manifest
 
     manifest = pytorchjob(job, name=args.job_name or k8s_name(source_name(args.file)), image=args.image.strip(),
                           gpus=not args.cpu, namespace=args.namespace)
@@ -229,7 +230,6 @@ def _write_accelerate(result: Any, args: argparse.Namespace) -> int:
 def _refuse_model_parallel_for_accelerate(result: Any) -> None:
     """accelerate's DeepSpeed plugin runs data parallelism and ZeRO only, and sizes the batch by the whole world:
     a plan with tensor or pipeline parallelism would lose both without a word."""
-    from smp2ds.translator.issues import Issue, SMPConfigError
 
     topo = result.topology
     degrees = ("tensor_parallel_degree", "pipeline_parallel_degree")
@@ -254,7 +254,6 @@ def _local_paths(args: argparse.Namespace) -> dict[str, Any]:
 def render_launch(result: Any, target: str, fmt: str, entry_point: str | None, config: Any,
                   paths: dict[str, Any] | None = None) -> str:
     """``--to torchrun|deepspeed-launcher|mpirun``: a shell script, or its parts as one JSON object."""
-    from smp2ds.translator.sagemaker_paths import map_paths
 
     from . import report
     from .launch_script import launch_spec, render_launch_script

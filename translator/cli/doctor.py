@@ -18,6 +18,13 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from smp2ds.translator.issues import SMPConfigError
+from smp2ds.translator.layout import smallest_world
+from smp2ds.translator.load import load_document
+from smp2ds.translator.normalize import normalize
+from smp2ds.translator.plan_types import Layout
+from smp2ds.translator.planner import plan
+
 from .. import doctor as rules
 from . import add_format_arg, command_parser, positive_int, write_stdout
 
@@ -135,12 +142,6 @@ def _ds_ops(env: dict[str, str]) -> dict[str, bool]:
 def _config(args: argparse.Namespace, env: dict[str, str],
             machine: rules.Machine) -> tuple[list[rules.Finding], dict[str, Any] | None]:
     """Findings about ``--config`` and ``SM_HP_MP_PARAMETERS``, and the planned DeepSpeed config."""
-    from smp2ds.translator.issues import SMPConfigError
-    from smp2ds.translator.layout import smallest_world
-    from smp2ds.translator.load import load_document
-    from smp2ds.translator.normalize import normalize
-    from smp2ds.translator.plan_types import Layout
-    from smp2ds.translator.planner import plan
 
     findings: list[rules.Finding] = []
     doc: Any = load_document(args.config) if args.config else None
@@ -186,8 +187,6 @@ def _config(args: argparse.Namespace, env: dict[str, str],
 
 def _memory_fit(args: argparse.Namespace, config: Any, result: Any) -> rules.Finding:
     """``--model``: one training step of the model on this machine's first GPU (explain --memory's estimate)."""
-    from smp2ds.translator.plan_types import Layout
-    from smp2ds.translator.planner import plan
 
     from . import UsageError
     from .machine import detect_gpu_memory

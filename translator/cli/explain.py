@@ -11,10 +11,19 @@ per-rank model-state memory and the communication volume per optimizer step comp
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from typing import Any
 
+from smp2ds.translator import diagram as data
+from smp2ds.translator.estimate import estimate
+from smp2ds.translator.load import load_document
+from smp2ds.translator.normalize import normalize
+from smp2ds.translator.planner import plan
+from smp2ds.translator.tp_traffic import tensor_parallel_traffic
+
 from .. import transformer_options
+from ..smp2ds_settings import given_settings
 from . import (
     EXIT_OK,
     add_file_arg,
@@ -88,9 +97,6 @@ def explain_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 def explain_command(args: argparse.Namespace) -> int:
     """Run ``explain``; returns 0, or raises for the guard in ``cli.run_guarded`` to report."""
-    from smp2ds.translator.load import load_document
-    from smp2ds.translator.normalize import normalize
-    from smp2ds.translator.planner import plan
 
     from . import report
 
@@ -104,6 +110,7 @@ def explain_command(args: argparse.Namespace) -> int:
     estimate = _estimate(result, params, "--model" if split and not args.params else None)
     tp_traffic = _tp_traffic(args, result) if args.model else None
     transformer = any(n.key == "tensor_parallel_degree" for n in result.notes)
+    own = given_settings(os.environ)  # SMP2DS_* variables that change the step: shown, never SMP keys
     _draw(args, result)
     if args.scale:
         from . import scale, source_name
@@ -127,6 +134,7 @@ def explain_command(args: argparse.Namespace) -> int:
                     **({"pipeline_split": split.plan.to_dict(), "model": split.architecture} if split else {}),
                     **({"tensor_parallel_traffic": tp_traffic} if tp_traffic else {}),
                     **({"transformer_options": transformer_options.options_json()} if transformer else {}),
+                    **({"smp2ds_settings": own} if own else {}),
                 }
             )
         )
@@ -139,6 +147,7 @@ def explain_command(args: argparse.Namespace) -> int:
         _split_text(split) if split else "",
         _tp_text(tp_traffic) if tp_traffic else "",
         _transformer_text() if transformer else "",
+        _own_settings_text(own) if own else "",
         report.render_estimate_text(estimate)
         + ("" if params else "(no --params given: figures are for 1e9 parameters and scale linearly)\n"),
     ]
@@ -182,8 +191,6 @@ def _draw(args: argparse.Namespace, result: Any) -> None:
     """Write the pictures asked for; the note goes to stderr so stdout stays the report (maybe JSON)."""
     import sys
 
-    from smp2ds.translator import diagram as data
-
     from . import UsageError, diagram
 
     if args.diagram:
@@ -208,7 +215,6 @@ DEFAULT_PARAMS = 1_000_000_000
 
 def _estimate(result: Any, params: int | None, source: str | None = None) -> dict[str, Any]:
     """Call the translator's estimator (formulas of docs/internals.md#cost-model) and make it JSON."""
-    from smp2ds.translator.estimate import estimate
 
     from . import report
 
@@ -219,7 +225,6 @@ def _estimate(result: Any, params: int | None, source: str | None = None) -> dic
 
 def _model_split(path: str, config: Any) -> Any:
     """The pipeline split of the model in ``path`` under ``config`` (engine code: imports torch)."""
-    from smp2ds.translator.load import load_document
 
     from . import UsageError
 
@@ -229,9 +234,10 @@ def _model_split(path: str, config: Any) -> Any:
     import contextlib
     import sys
 
-    # DeepSpeed logs to stdout when imported; keep stdout for the report (it may be JSON).
+    # `explain --model` builds the model (torch, transformers, DeepSpeed), only when asked. DeepSpeed logs to
+    # stdout when imported; keep stdout for the report (it may be JSON).
     with contextlib.redirect_stdout(sys.stderr):
-        from smp2ds.engine.pipeline.explain import split_for_model_config
+        from smp2ds.engine.pipeline.explain import split_for_model_config  # see above
 
         try:
             return split_for_model_config(model_config, config.params)
@@ -246,8 +252,6 @@ _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx")
 
 def _tp_traffic(args: argparse.Namespace, result: Any) -> dict[str, Any] | None:
     """Tensor-parallel all-reduce traffic for the --model config, when tensor parallelism is on."""
-    from smp2ds.translator.load import load_document
-    from smp2ds.translator.tp_traffic import tensor_parallel_traffic
 
     from . import UsageError
 
@@ -299,6 +303,14 @@ def _transformer_text() -> str:
     return ("distributed transformer settings (smp.model_creation / smp.tensor_parallelism keywords, "
             "smp.nn.DistributedTransformer* arguments):\n"
             + report.table(["setting", "fate", "what the engine does"], transformer_options.option_rows()))
+
+
+def _own_settings_text(rows: list[dict[str, str]]) -> str:
+    from . import report
+
+    return ("smp2ds settings (environment variables, not SMP keys):\n"
+            + report.table(["variable", "value", "fate", "what the engine does"],
+                           [[r["name"], r["value"], r["fate"], r["effect"]] for r in rows]))
 
 
 def _split_text(split: Any) -> str:

@@ -21,6 +21,20 @@ import os
 import sys
 from typing import Any
 
+from smp2ds.translator.launcher import (
+    LAUNCHERS,
+    hostfile_text,
+    hosts_for,
+    launcher_command,
+    local_environment,
+    with_hyperparameters,
+)
+from smp2ds.translator.load import load_document
+from smp2ds.translator.normalize import normalize
+from smp2ds.translator.plan_types import Layout
+from smp2ds.translator.planner import plan
+from smp2ds.translator.slurm_env import SlurmEnvError, in_allocation, launch_defaults
+
 from . import EXIT_OK, UsageError, command_parser, positive_int, write_stdout
 
 DEFAULT_MULTINODE_PORT = 29500
@@ -53,7 +67,6 @@ class LaunchSpec:
 
 def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """Register ``launch`` (or build a standalone parser when ``subparsers`` is None)."""
-    from smp2ds.translator.launcher import LAUNCHERS
 
     description = (
         "Run an SMP training script with the SageMaker environment (SM_HP_MP_PARAMETERS, "
@@ -168,13 +181,6 @@ def run(spec: LaunchSpec) -> int:
 
 def build_spec(args: argparse.Namespace) -> LaunchSpec:
     """Resolve the layout, plan the config for it and assemble command and environment."""
-    from smp2ds.translator.launcher import (
-        hostfile_text,
-        hosts_for,
-        launcher_command,
-        local_environment,
-        with_hyperparameters,
-    )
 
     from .machine import detect_gpus, free_port, launcher_program
 
@@ -261,7 +267,6 @@ def _document(args: argparse.Namespace) -> Any:
     path = args.estimator or args.config
     if path is None:
         return None
-    from smp2ds.translator.load import load_document
 
     return load_document(path)
 
@@ -292,7 +297,6 @@ def _entry_point(doc: Any) -> list[str]:
 
 def _slurm(args: argparse.Namespace) -> dict[str, Any] | None:
     """Slurm's defaults for this launch (``slurm_env.launch_defaults``), or None outside an allocation."""
-    from smp2ds.translator.slurm_env import SlurmEnvError, in_allocation, launch_defaults
 
     if not in_allocation(os.environ):
         return None
@@ -309,9 +313,6 @@ def _plan(args: argparse.Namespace, doc: Any, fallback: int) -> tuple[Any, dict[
     GPUs, else 1)."""
     if doc is None:
         return None, None, args.nproc_per_node or fallback
-    from smp2ds.translator.normalize import normalize
-    from smp2ds.translator.plan_types import Layout
-    from smp2ds.translator.planner import plan
 
     nproc = args.nproc_per_node or _int(normalize(doc).mpi.get("processes_per_host")) or fallback
     layout = Layout(world_size=nproc * args.nnodes, gpus_per_node=nproc)

@@ -13,7 +13,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from smp2ds.translator.launcher import shell_name
+from smp2ds.translator.launcher import deepspeed_env_text, shell_name
 
 LAUNCH_TARGETS: dict[str, str] = {
     "torchrun": "torchrun",
@@ -36,7 +36,6 @@ def launch_spec(launcher: Mapping[str, Any], target: str, entry_point: str | Non
     env = dict(launcher["env"])
     files: dict[str, str] = {}
     if key == "deepspeed" and nodes > 1:
-        from smp2ds.translator.launcher import deepspeed_env_text
 
         files = {"hostfile": str(launcher["hostfile"]), ".deepspeed_env": deepspeed_env_text(env)}
     return {

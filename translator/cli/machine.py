@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 import sys
 
+from smp2ds.translator.device_memory import MIB, device_bytes
+from smp2ds.translator.issues import InputError
+
 _LAUNCHER_MODULES = {"deepspeed": "deepspeed.launcher.runner", "torchrun": "torch.distributed.run"}
 
 
@@ -21,7 +24,6 @@ def detect_gpus() -> int:
     forced = os.environ.get("SMP2DS_NUM_GPUS")
     if forced is not None and forced.strip() != "":
         if not forced.strip().isdigit():
-            from smp2ds.translator.issues import InputError
 
             raise InputError(f"environment variable SMP2DS_NUM_GPUS={forced!r} is not a GPU count; "
                              "allowed: a whole number >= 0, or unset to ask nvidia-smi")
@@ -50,14 +52,12 @@ def detect_gpu_memory() -> tuple[int, str] | None:
     ``SMP2DS_GPU_MEMORY`` overrides (a size such as ``80GiB`` or a GPU name, for a dry run on a login node);
     otherwise ``nvidia-smi --query-gpu=memory.total`` of the first device ``CUDA_VISIBLE_DEVICES`` lets us see.
     """
-    from smp2ds.translator.device_memory import MIB, device_bytes
 
     forced = os.environ.get("SMP2DS_GPU_MEMORY", "").strip()
     if forced:
         try:
             size, label = device_bytes(forced)
         except ValueError as err:
-            from smp2ds.translator.issues import InputError
 
             raise InputError(f"environment variable SMP2DS_GPU_MEMORY={forced!r}: {err}") from None
         return size, f"{label} (SMP2DS_GPU_MEMORY)"

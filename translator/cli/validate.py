@@ -10,6 +10,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from smp2ds.translator import normalize, plan
+from smp2ds.translator.issues import SMPConfigError
+from smp2ds.translator.layout import resolve_layout, smallest_world
+from smp2ds.translator.load import load_document
+from smp2ds.translator.plan_types import Layout
+from smp2ds.translator.validate import validate
+
 from . import (
     EXIT_INVALID,
     EXIT_OK,
@@ -45,9 +52,6 @@ def validate_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 def validate_command(args: argparse.Namespace) -> int:
     """Run ``validate``; returns 0 (valid) or 1 (invalid)."""
-    from smp2ds.translator.issues import SMPConfigError
-    from smp2ds.translator.load import load_document
-    from smp2ds.translator.validate import validate
 
     from . import report
 
@@ -83,10 +87,6 @@ def _planned(doc: Any, layout: Any, args: argparse.Namespace) -> tuple[list[Any]
     which depend on the world, are not given."""
     from dataclasses import replace
 
-    from smp2ds.translator import normalize, plan
-    from smp2ds.translator.issues import SMPConfigError
-    from smp2ds.translator.layout import resolve_layout, smallest_world
-    from smp2ds.translator.plan_types import Layout
 
     config = normalize(doc, layout)  # also re-checks the cross-key rules
     known = resolve_layout(config, layout).world_size is not None
