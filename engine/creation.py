@@ -44,7 +44,7 @@ def partition(index: int) -> Iterator[None]:
     """Modules created inside go to pipeline partition ``index`` (innermost context wins)."""
     manual = _manual()
     if manual is None:
-        if state.initialized and int(state.cfg.pipeline_parallel_degree) > 1:
+        if state.initialized and state.plan.engine_settings.pipeline.enabled:
             raise InvalidPartitionIDError("smp.partition needs the pipeline engine (smp2ds.engine.pipeline)")
         yield
         return
@@ -116,7 +116,7 @@ def _sharded_creation(enabled: bool) -> Iterator[None]:
         return
     from smp2ds.engine import mics  # start-up: the MiCS package imports DeepSpeed's ZeRO-3
 
-    ds = engine_config(state.plan.deepspeed, microbatches=int(state.cfg.microbatches))
+    ds = engine_config(state.plan.deepspeed, microbatches=state.plan.engine_settings.microbatches)
     with mics.mics_init_context(ds, state.mics_groups):
         yield
 
@@ -189,7 +189,7 @@ def _delayed_at_creation(zero_init: bool | None) -> bool:
     if not state.initialized:
         return False
     if zero_init is None or state.mics_groups is None:
-        return bool(state.cfg.delayed_parameter_initialization)
+        return state.plan.engine_settings.delayed_parameter_initialization
     return bool(zero_init)
 
 

@@ -24,6 +24,32 @@ def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TopologySettings:
+    """The Plan's ``/topology`` as the engine reads it: degrees, placement and the machine shape."""
+
+    world_size: int
+    pipeline_parallel_degree: int
+    tensor_parallel_degree: int
+    rdp_degree: int
+    sharded_data_parallel_degree: int
+    placement: str
+    """Three letters, outermost axis first (``D`` data, ``P`` pipeline, ``T`` tensor)."""
+    ranks_per_node: int
+    nodes: int
+
+    @classmethod
+    def from_topology(cls, topology: Mapping[str, Any]) -> TopologySettings:
+        """The typed form of a Plan's ``topology`` mapping (the JSON ``smp2ds convert`` prints)."""
+        return cls(world_size=int(topology["world_size"]),
+                   pipeline_parallel_degree=int(topology["pipeline_parallel_degree"]),
+                   tensor_parallel_degree=int(topology["tensor_parallel_degree"]),
+                   rdp_degree=int(topology["rdp_degree"]),
+                   sharded_data_parallel_degree=int(topology["sharded_data_parallel_degree"]),
+                   placement=str(topology["placement"]), ranks_per_node=int(topology["ranks_per_node"]),
+                   nodes=int(topology["nodes"]))
+
+
+@dataclass(frozen=True, kw_only=True)
 class SMPConfig:
     """A validated SMP configuration with aliases resolved and every default filled in.
 
@@ -119,6 +145,11 @@ class Plan:
     notes: tuple[KeyNote, ...]
     remarks: tuple[str, ...] = ()
     """Plan-level notes that belong to no single key (e.g. batch size unknown)."""
+
+    @cached_property
+    def topology_settings(self) -> TopologySettings:
+        """:attr:`topology` typed, the form the engine reads (parsed once per Plan)."""
+        return TopologySettings.from_topology(self.topology)
 
     @cached_property
     def engine_settings(self) -> EngineSettings:

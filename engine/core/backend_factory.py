@@ -30,13 +30,20 @@ DeepSpeed's pipeline package, which plain data-parallel scripts never need.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from smp2ds.engine.core.backend import Backend
+from smp2ds.engine.core.launch_env import LaunchEnv
+from smp2ds.engine.core.state import State
 from smp2ds.engine.core.tensor_parallel_view import TensorParallelView
 from smp2ds.engine.exceptions import SMPInvalidArgumentError
+from smp2ds.translator.plan_types import Plan
+from smp2ds.translator.topology import Topology
+
+if TYPE_CHECKING:  # the MiCS package is imported only when sharded data parallelism is on (start-up)
+    from smp2ds.engine.mics.shard_groups import MicsGroups
 
 # DistributedModel's is_distributed_* / is_scaled_batch_* queries read tensor parallelism's marks
 # (false everywhere when nothing is marked); a light module (torch only), so imported at once.
@@ -47,18 +54,22 @@ from smp2ds.translator.backend_choice import BACKENDS
 __all__ = ["make_backend", "parameter_roles", "prepare_groups", "prepare_module"]
 
 
-def make_backend(module: Any, state: Any) -> Backend:
+def make_backend(module: torch.nn.Module, state: State) -> Backend:
     """The backend the Plan names (``/engine/backend/name``, the planner's choice that ``smp2ds explain`` shows)."""
     # Each return below is where mypy (.ci/typecheck) checks that backend class against the protocol.
-    name = state.plan.engine_settings.backend.name
-    microbatches = state.plan.engine_settings.microbatches
+    state.require()
+    plan, groups = state.plan, state.groups
+    assert plan is not None and groups is not None  # smp.init sets both before `initialized`
+    name = plan.engine_settings.backend.name
+    microbatches = plan.engine_settings.microbatches
     if name == "pipeline":
         from smp2ds.engine.pipeline.backend import PipelineBackend  # start-up: DeepSpeed's pipeline package
 
-        return PipelineBackend(module, state=state, microbatches=microbatches, tensor_parallel=_parallelize(module))
+        return PipelineBackend(module, plan=plan, groups=groups, microbatches=microbatches,
+                               tensor_parallel=_parallelize(module))
     from smp2ds.engine.data_parallel.backend import DataParallelBackend  # start-up: only when chosen
 
-    plan_ds = dict(state.plan.deepspeed)
+    plan_ds = dict(plan.deepspeed)
     if name in ("tensor-parallel+mics", "mics"):
         from smp2ds.engine.mics.born_partitioned import sharding_around  # start-up: only when chosen
         from smp2ds.engine.mics.sharding import MicsSharding  # start-up: only when chosen
@@ -72,7 +83,7 @@ def make_backend(module: Any, state: Any) -> Backend:
         from smp2ds.engine.data_parallel.replicated import ReplicatedParameters  # start-up: only when chosen
 
         view = _parallelize(module)
-        sharding = ReplicatedParameters(mpu=view.deepspeed_mpu(state.groups), tensor_parallel=view)
+        sharding = ReplicatedParameters(mpu=view.deepspeed_mpu(groups), tensor_parallel=view)
         return DataParallelBackend(module, plan_ds, microbatches=microbatches, sharding=sharding)
     if name == "deepspeed-data-parallel":
         return DataParallelBackend(module, plan_ds, microbatches=microbatches)
@@ -98,7 +109,7 @@ def prepare_module(module: torch.nn.Module) -> torch.nn.Module:
     return replace_marked(module)
 
 
-def prepare_groups(plan: Any, topology: Any, launch: Any) -> Any:
+def prepare_groups(plan: Plan, topology: Topology, launch: LaunchEnv) -> MicsGroups | None:
     """``smp.init``'s share of the parallelism packages: the pipeline's partition registry learns
     the stage count (``smp.partition(i)`` then rejects ``i >= pp`` at once), and sharded data
     parallelism's shard/replica groups are created (collective), because
@@ -118,6 +129,6 @@ def prepare_groups(plan: Any, topology: Any, launch: Any) -> Any:
         topology,
         mics.shard_size,
         rank=launch.rank,
-        ranks_per_node=int(plan.topology["ranks_per_node"]),
+        ranks_per_node=plan.topology_settings.ranks_per_node,
         hierarchical=mics.hierarchical_allgather,
     )

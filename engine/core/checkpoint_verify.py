@@ -98,7 +98,8 @@ def _legacy_files(directory: str, model_file: str, load_optimizer: bool,
         raise MissingCheckpointFilesError(f"{model_file} is missing")
     files = {"model": model_file}
     if load_optimizer:
-        expect = bool(state.cfg.shard_optimizer_state) or int(state.cfg.sharded_data_parallel_degree) > 1
+        settings = state.plan.engine_settings
+        expect = settings.zero_stage >= 1 or settings.mics.enabled  # ZeRO-1 or sharded data parallelism
         candidates = [optimizer_file(expect), optimizer_file(not expect)]
         found = [c for c in candidates if os.path.exists(c)]
         if not found:

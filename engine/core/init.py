@@ -33,7 +33,7 @@ from smp2ds.engine.diagnostics.watchdog import Watchdog, timeout_from_env
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.translator import normalize
 from smp2ds.translator.issues import Issue, SMPConfigError
-from smp2ds.translator.plan_types import Layout
+from smp2ds.translator.plan_types import Layout, Plan, SMPConfig
 from smp2ds.translator.planner import plan as make_plan
 from smp2ds.translator.topology import Topology
 
@@ -184,7 +184,7 @@ def _raise_config_error_once(error: SMPConfigError | None, launch: launch_env.La
     raise exc
 
 
-def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> None:
+def _finish(cfg: SMPConfig, plan: Plan, launch: launch_env.LaunchEnv, backend: str) -> None:
     import torch
 
     comm.init_deepspeed(backend)
@@ -228,16 +228,11 @@ def _finish(cfg: Any, plan: Any, launch: launch_env.LaunchEnv, backend: str) -> 
         state.cfg.display_config()
 
 
-def _topology(plan: Any, launch: launch_env.LaunchEnv) -> Any:
+def _topology(plan: Plan, launch: launch_env.LaunchEnv) -> Topology:
     """The rank layout the Plan chose (degrees and placement), for this launch's world size."""
-
-    topo = plan.topology
-    return Topology.for_world(
-        launch.world_size,
-        pp=int(topo["pipeline_parallel_degree"]),
-        tp=int(topo["tensor_parallel_degree"]),
-        placement=str(topo["placement"]),
-    )
+    topo = plan.topology_settings
+    return Topology.for_world(launch.world_size, pp=topo.pipeline_parallel_degree, tp=topo.tensor_parallel_degree,
+                              placement=topo.placement)
 
 
 def shutdown() -> None:

@@ -167,6 +167,15 @@ class DistributedModel(torch.nn.Module):
         finally:
             state.in_step, state.microbatch = False, 0
 
+    @contextlib.contextmanager
+    def step_scope(self) -> Iterator[None]:
+        """Mark a step as running, for a backend whose schedule runs the micro-batches itself (the pipeline)."""
+        state.in_step = True
+        try:
+            yield
+        finally:
+            state.in_step = False
+
     def defer_load(self, load: Callable[[DistributedModel], None]) -> None:
         """Run ``load(self)`` once the engine is built (now, if it already is with its optimizer)."""
         if state.optimizer is not None:
@@ -260,7 +269,7 @@ class DistributedModel(torch.nn.Module):
         ``scaled_batch_only``: only the scaled-batch parameters and buffers (see ``is_scaled_batch_*``)."""
         sd = self.backend.local_state_dict(prefix=prefix, keep_vars=keep_vars)
         if scaled_batch_only:
-            tp = int(state.cfg.tensor_parallel_degree)
+            tp = state.groups.topology.tp
             scaled = {prefix + n for n, _ in self.scaled_batch_reducer_named_parameters()} | {
                 prefix + n for n, b in self.get_module().named_buffers()
                 if id(b) in parameter_roles.scaled_batch_buffers(self.get_module(), tp)}
@@ -268,8 +277,8 @@ class DistributedModel(torch.nn.Module):
         sd = model_io.to_cpu(sd) if cast_to_cpu else dict(sd)
         sd[checkpoint_format.PARTIAL_MARK] = True
         sd[checkpoint_format.LOAD_INFO] = {
-            "tensor_parallel_degree": int(state.cfg.tensor_parallel_degree),
-            "pipeline_parallel_degree": int(state.cfg.pipeline_parallel_degree),
+            "tensor_parallel_degree": state.groups.topology.tp,
+            "pipeline_parallel_degree": state.groups.topology.pp,
             "partition_info": None,
         }
         if destination is not None:
@@ -360,7 +369,7 @@ class DistributedModel(torch.nn.Module):
 
     def is_scaled_batch_buffer(self, buf: torch.Tensor) -> bool:
         """True when ``buf`` belongs to a distributed module and tensor parallelism is on."""
-        tp = int(state.cfg.tensor_parallel_degree)
+        tp = state.groups.topology.tp
         return id(buf) in parameter_roles.scaled_batch_buffers(self.get_module(), tp)
 
     def default_reducer_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:

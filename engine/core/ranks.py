@@ -129,7 +129,7 @@ def mp_size() -> int:
 def num_microbatches() -> int:
     """The configured ``microbatches``."""
     state.require()
-    return int(state.cfg.microbatches)
+    return state.plan.engine_settings.microbatches
 
 
 def _find(kind: str, **want: int | None) -> list[int]:

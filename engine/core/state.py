@@ -12,9 +12,15 @@ import json
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from smp2ds.engine.core.launch_env import LaunchEnv
 from smp2ds.engine.exceptions import DDPNotEnabledError, NotInitializedError
+from smp2ds.translator.plan_types import Plan, SMPConfig
+from smp2ds.translator.topology import Topology
+
+if TYPE_CHECKING:  # process_groups imports comm, which imports state: for the annotation only
+    from smp2ds.engine.core.process_groups import ProcessGroups
 
 log = logging.getLogger("smp2ds")
 
@@ -29,7 +35,7 @@ class ConfigView:
     given stays in ``get_config_dict()`` and ``smp_config``.
     """
 
-    def __init__(self, config: Any, plan: Any):
+    def __init__(self, config: SMPConfig, plan: Plan):
         self._config = config
         self._plan = plan
 
@@ -43,12 +49,12 @@ class ConfigView:
         return getattr(self._config, name)
 
     @property
-    def smp_config(self) -> Any:
+    def smp_config(self) -> SMPConfig:
         """The translator's frozen ``SMPConfig``."""
         return self._config
 
     @property
-    def plan(self) -> Any:
+    def plan(self) -> Plan:
         """The translator's ``Plan`` this run follows."""
         return self._plan
 
@@ -82,10 +88,10 @@ class State:
     def __init__(self) -> None:
         self.initialized = False
         self.cfg: ConfigView | None = None
-        self.config: Any = None
-        self.plan: Any = None
-        self.launch: Any = None
-        self.groups: Any = None
+        self.config: SMPConfig | None = None
+        self.plan: Plan | None = None
+        self.launch: LaunchEnv | None = None
+        self.groups: ProcessGroups | None = None
         self.backend_name: str | None = None
         self.watchdog: Any = None
         self.mics_groups: Any = None
@@ -105,7 +111,7 @@ class State:
 
     # ---- convenience ---------------------------------------------------------------------
     @property
-    def topology(self) -> Any:
+    def topology(self) -> Topology:
         self.require()
         return self.groups.topology
 

@@ -5,9 +5,12 @@ may not import that package. The backend factory hands the one to the other."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:  # process_groups imports comm (torch.distributed); this protocol module stays light
+    from smp2ds.engine.core.process_groups import ProcessGroups
 
 
 class TensorParallelView(Protocol):
@@ -21,7 +24,7 @@ class TensorParallelView(Protocol):
     def group(self) -> Any:
         """This rank's tensor-parallel group (``handle``, ``size``, ``rank``, ``src``)."""
 
-    def deepspeed_mpu(self, groups: Any) -> Any:
+    def deepspeed_mpu(self, groups: ProcessGroups) -> Any:
         """DeepSpeed's ``mpu`` for data parallelism over the reduced-data-parallel group."""
 
     def join(self, state_dict: Mapping[str, Any], keep_vars: bool = False) -> dict[str, Any]:

@@ -19,7 +19,12 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from smp2ds.translator.plan_types import Plan
+
+if TYPE_CHECKING:  # core imports diagnostics (the step log at smp.init): the annotation only
+    from smp2ds.engine.core.launch_env import LaunchEnv
 
 LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
 ENV_LEVEL = "SMP2DS_LOG"
@@ -77,18 +82,18 @@ def _frequency(raw: str) -> int:
     return every
 
 
-def start_logging(plan: Any, launch: Any, backend: str) -> None:
+def start_logging(plan: Plan, launch: LaunchEnv, backend: str) -> None:
     """At ``smp.init``: configure from the environment, then rank 0 logs the layout line."""
     configure(launch.rank, launch.world_size)
     if launch.rank == 0:
         log.info("%s", layout_summary(plan, launch.world_size, backend))
 
 
-def layout_summary(plan: Any, world_size: int, backend: str) -> str:
+def layout_summary(plan: Plan, world_size: int, backend: str) -> str:
     """One line: degrees and placement, nodes, data-parallel scheme, micro-batches, precision, backend."""
-    topo, ds, mics = plan.topology, plan.deepspeed, plan.engine_settings.mics
-    rpn = int(topo["ranks_per_node"])
-    pp, tp, rdp = topo["pipeline_parallel_degree"], topo["tensor_parallel_degree"], topo["rdp_degree"]
+    topo, ds, mics = plan.topology_settings, plan.deepspeed, plan.engine_settings.mics
+    rpn = topo.ranks_per_node
+    pp, tp, rdp = topo.pipeline_parallel_degree, topo.tensor_parallel_degree, topo.rdp_degree
     stage = int(ds.get("zero_optimization", {}).get("stage", 0))
     if mics.enabled:
         shard = mics.shard_size
@@ -98,7 +103,7 @@ def layout_summary(plan: Any, world_size: int, backend: str) -> str:
     precision = next((p for p in ("fp16", "bf16") if ds.get(p, {}).get("enabled")), "fp32")
     return (
         f"layout: world {world_size} = pipeline {pp} x tensor {tp} x data-parallel {rdp} "
-        f"(placement {topo['placement']}), {-(-world_size // rpn)} node(s) x {rpn} rank(s); "
+        f"(placement {topo.placement}), {-(-world_size // rpn)} node(s) x {rpn} rank(s); "
         f"{scheme}; {ds.get('gradient_accumulation_steps', 1)} micro-batch(es) per step; {precision}; "
         f"backend {backend}"
     )

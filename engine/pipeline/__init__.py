@@ -43,7 +43,7 @@ any other module whose forward ``torch.fx`` traces (``families/traced``, `fx_tra
 
 from __future__ import annotations
 
-from typing import Any
+import torch
 
 from smp2ds.engine.pipeline import families  # noqa: F401  (registers the built-in layer lists)
 from smp2ds.engine.pipeline.layers import SUPPORTED, LayerList, PipeLayer, UnsupportedModelError, build_layer_list
@@ -53,6 +53,8 @@ from smp2ds.engine.pipeline.manual import partition, set_partition
 from smp2ds.engine.pipeline.partition_plan import PartitionPlan, StageInfo, plan_partition
 from smp2ds.engine.pipeline.runner import PipelineRunner
 from smp2ds.engine.pipeline.settings import PipelineSettings, ScheduleChoice, choose_schedule, plan_for
+from smp2ds.translator.plan_types import Plan
+from smp2ds.translator.topology import Topology
 
 __all__ = [
     "SUPPORTED",
@@ -76,7 +78,7 @@ __all__ = [
 ]
 
 
-def build_pipeline(model: Any, plan: Any, topology: Any) -> PipelineRunner:
+def build_pipeline(model: torch.nn.Module, plan: Plan, topology: Topology) -> PipelineRunner:
     """Split ``model`` into pipeline stages and return the runner that trains it.
 
     Must be called on every rank at the same point (it creates process groups). ``plan`` is the

@@ -27,8 +27,10 @@ import torch
 from smp2ds.engine.core import comm
 from smp2ds.engine.core import deepspeed_optimizer as dso
 from smp2ds.engine.core.deepspeed_config import LossScaleArgs, fp16_block, precision, zero_stage
+from smp2ds.engine.core.process_groups import ProcessGroups
 from smp2ds.engine.core.tensor_parallel_view import TensorParallelView
 from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.translator.plan_types import Plan
 
 
 class PipelineBackend:
@@ -44,23 +46,24 @@ class PipelineBackend:
     """Stages only run inside ``@smp.step`` (the pipeline schedule drives them)."""
     clips_in_step = False
 
-    def __init__(self, module: Any, *, state: Any, microbatches: int,
+    def __init__(self, module: torch.nn.Module, *, plan: Plan, groups: ProcessGroups, microbatches: int,
                  tensor_parallel: TensorParallelView | None = None):
-        """``tensor_parallel``: the whole model as ``parallelize`` sharded it, before the stages are cut
-        (None without tensor parallelism)."""
+        """``plan`` and ``groups``: the run's Plan and process groups (the inputs the data-parallel backend gets
+        too); ``tensor_parallel``: the whole model as ``parallelize`` sharded it, before the stages are cut (None
+        without tensor parallelism)."""
         # The engine and optimizer live in the runner.
         from smp2ds.engine.pipeline import build_pipeline  # start-up: DeepSpeed's pipeline package
 
         self.module = module
-        self.plan_ds = dict(state.plan.deepspeed)
+        self.plan_ds = dict(plan.deepspeed)
         self.microbatches = microbatches
         self.has_optimizer = False
         self._clip_restore: Callable[[], None] | None = None
         self.tensor_parallel = tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
-        self.runner = build_pipeline(module, state.plan, state.groups.topology)
+        self.runner = build_pipeline(module, plan, groups.topology)
         if self.tensor_parallel is not None:
             self._attach_tensor_parallel(self.tensor_parallel)
-        self._state = state
+        self._groups = groups
         self._calls = 0
 
     def _attach_tensor_parallel(self, view: TensorParallelView) -> None:
@@ -136,11 +139,8 @@ class PipelineBackend:
             reduce = self._calls >= model.backward_passes_per_step
             if reduce:
                 self._calls = 0
-        self._state.in_step = True
-        try:
+        with model.step_scope():  # the runner's schedule runs the micro-batches itself
             return self.runner.run_step(step_fn.func, pieces, reduce_grads=reduce)
-        finally:
-            self._state.in_step = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.runner(*args, **kwargs)
@@ -170,7 +170,7 @@ class PipelineBackend:
         if self.tensor_parallel is not None:
             return self._stage_grad_norm(self.tensor_parallel, params, norm_type) / self.loss_scale
         grads = [p.grad.detach().float() for p in params if p.grad is not None]
-        pipe_group = self._state.groups.group("pp")
+        pipe_group = self._groups.group("pp")
         # born where the group communicates: a stage may hold no gradient
         start = torch.zeros((), device=comm.tensor_device(pipe_group))
         local = sum((torch.linalg.vector_norm(g, 2) ** 2 for g in grads), start)
@@ -182,7 +182,7 @@ class PipelineBackend:
         """Norm over the whole model of this pipeline: each stage's norm (shards summed over the
         tensor-parallel group, replicated tensors once), then combined over the pipeline's stages.
         ``params``: this stage's parameters, tied copies on later stages excluded."""
-        pipe_group = self._state.groups.group("pp")
+        pipe_group = self._groups.group("pp")
         if norm_type == float("inf"):
             stage = view.grad_norm(params, norm_type).clone()
             comm.all_reduce(stage, op=comm.ReduceOp.MAX, group=pipe_group)
@@ -225,7 +225,7 @@ class PipelineBackend:
 
     def optimizer_partition(self) -> tuple[int, int]:
         """(index, count) of this rank's optimizer-state partition: DeepSpeed's data-parallel group is rdp."""
-        return self._state.groups.coords.rdp_rank, self._state.groups.topology.rdp
+        return self._groups.coords.rdp_rank, self._groups.topology.rdp
 
     def load_optimizer_state_dict(self, sd: dict) -> None:
         dso.load_state(self.ds_optimizer, sd, self.zero_stage, self.optimizer_partition())

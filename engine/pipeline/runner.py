@@ -50,6 +50,7 @@ from smp2ds.engine.pipeline.schedules import (
     make_train_schedule,
 )
 from smp2ds.engine.pipeline.settings import PipelineSettings
+from smp2ds.translator.topology import Topology
 
 log = logging.getLogger("smp2ds.pipeline")
 
@@ -67,7 +68,7 @@ class _Captured(BaseException):
 class PipelineRunner:
     """Runs one model as pipeline stages; create it with `build_pipeline`."""
 
-    def __init__(self, model: nn.Module, settings: PipelineSettings, topology: Any, ds_config: dict,
+    def __init__(self, model: nn.Module, settings: PipelineSettings, topology: Topology, ds_config: dict,
                  layer_list: LayerList | None = None):
         import deepspeed.comm as ds_comm
 

@@ -15,7 +15,7 @@ from typing import Any
 from smp2ds.translator import normalize
 from smp2ds.translator.issues import Issue, SMPConfigError
 from smp2ds.translator.pipeline_schedule import PipelineSection, ScheduleChoice, choose_schedule
-from smp2ds.translator.plan_types import Layout
+from smp2ds.translator.plan_types import Layout, Plan
 from smp2ds.translator.planner import plan as make_plan
 
 __all__ = ["PipelineSettings", "ScheduleChoice", "choose_schedule", "plan_for"]
@@ -38,7 +38,7 @@ class PipelineSettings:
     schedule: ScheduleChoice
 
     @classmethod
-    def from_plan(cls, plan: Any) -> PipelineSettings:
+    def from_plan(cls, plan: Plan) -> PipelineSettings:
         """Read the translator's decisions; refuse a DeepSpeed ZeRO stage the pipeline engine cannot run."""
         pipe: PipelineSection = plan.engine_settings.pipeline
         issues = _zero_issues(plan.deepspeed)

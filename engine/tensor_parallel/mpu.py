@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from smp2ds.engine.core.process_groups import ProcessGroups
+
 
 class TensorParallelMPU:
     """Data parallel = this rank's rdp group; model (tensor) parallel = its tp group."""
 
-    def __init__(self, groups: Any) -> None:
+    def __init__(self, groups: ProcessGroups) -> None:
         self._groups = groups
 
     def get_data_parallel_group(self) -> Any:

@@ -25,6 +25,7 @@ import torch
 
 from smp2ds.engine.core import comm
 from smp2ds.engine.core.partitioned_params import Around
+from smp2ds.engine.core.process_groups import ProcessGroups
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.parallel.group import TPGroup, current
 from smp2ds.engine.nn.parallel.region import first_tensor
@@ -53,7 +54,7 @@ class TensorParallelModel:
     def size(self) -> int:
         return self.group.size
 
-    def deepspeed_mpu(self, groups: Any) -> TensorParallelMPU:
+    def deepspeed_mpu(self, groups: ProcessGroups) -> TensorParallelMPU:
         return TensorParallelMPU(groups)
 
     # ---- state ------------------------------------------------------------------------------------

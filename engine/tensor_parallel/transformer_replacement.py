@@ -103,11 +103,12 @@ def _replace(module: torch.nn.Module, owner: torch.nn.Module | None, owners: lis
 def _refuse_pipeline(kind: str) -> None:
     # DistributedTransformerLMHead has a pipeline layer list (engine/pipeline/families/smp_transformer.py);
     # a replaced encoder sits inside a Hugging Face model whose layer list expects the original encoder.
-    if state.initialized and int(state.cfg.pipeline_parallel_degree) > 1 and kind.endswith("Encoder"):
+    stages = state.groups.topology.pp if state.initialized else 1
+    if stages > 1 and kind.endswith("Encoder"):
         target = "DistributedTransformer"
         raise SMPUnsupportedError(
             f"{kind} replaced by smp.nn.{target} with pipeline_parallel_degree "
-            f"{state.cfg.pipeline_parallel_degree}: pipelining the distributed transformer is not implemented; use "
+            f"{stages}: pipelining the distributed transformer is not implemented; use "
             "pipeline_parallel_degree 1, or build the model without SMP's transformer settings (the Hugging "
             "Face model is then kept and pipelined)")
 
