@@ -74,7 +74,8 @@ def main() -> None:
         fit_check(args.fit_check)
         return
     names = [r for r in args.rows.split(",") if r] or [
-        f"{f}-{lay}{c}" for f in rows.CONFIGS for lay in rows.LAYOUTS for c in ("", "-ckpt")]
+        f"{f}-{lay}{c}" for f in rows.FAMILIES for lay in rows.LAYOUTS for c in ("", "-ckpt")] + [
+        "qwen2-tp2", "qwen2-tp2-ckpt"]
     table = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:

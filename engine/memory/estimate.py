@@ -4,13 +4,15 @@ A rank role is a pipeline stage; its tensor-parallel ranks hold equal shapes and
 Each stage is traced once (:mod:`.step_trace`) for one micro-batch: the whole model without pipelines,
 else the stage's layers of the engine's own layer list, split by the engine's partitioner. A stage of
 a 1F1B schedule keeps ``min(stages - stage, microbatches)`` micro-batches' activations in flight, so
-the stage's peak adds the saved activations of the others to the traced peak.
+the stage's peak adds the saved activations of the others to the traced peak. Under sharded data parallelism
+(ZeRO-3 inside MiCS shard groups) the trace holds no gradient before backward and :mod:`.zero3_states` turns
+its whole parameters and gradients into DeepSpeed's partitions, gathered parameters and reduce bucket.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,7 @@ from smp2ds.engine.memory.model_source import ModelSource
 from smp2ds.engine.memory.model_states import StatePart, model_states
 from smp2ds.engine.memory.step_trace import StepTrace, trace_step
 from smp2ds.engine.memory.tensor_parallel import fake_group, shard
+from smp2ds.engine.memory.zero3_states import census, zero3_states
 from smp2ds.engine.pipeline.layers import build_layer_list
 from smp2ds.engine.pipeline.partition_plan import plan_partition
 
@@ -57,7 +60,15 @@ class RoleMemory:
     @property
     def backward_peak(self) -> int:
         """Forward and backward: the traced peak with the model states held through the step."""
-        return self.parameters + self.gradients + self.activations + self.transient + self._held("persistent")
+        return (self.parameters + self.gradients + self.activations + self.transient + self._held("persistent")
+                + self._held("backward"))
+
+    @property
+    def reduce_peak(self) -> int:
+        """ZeRO-3's last reduce-scatter, when backward ends (activations freed, the bucket's copies made); 0
+        without ZeRO-3."""
+        reduce = self._held("reduce")
+        return self.parameters + self.gradients + self._held("persistent") + reduce if reduce else 0
 
     @property
     def update_peak(self) -> int:
@@ -65,15 +76,21 @@ class RoleMemory:
         return self.parameters + self.gradients + self._held("persistent") + self._held("step")
 
     @property
+    def peak_phase(self) -> str:
+        """``backward``, ``reduce`` or ``update``: where the role peaks."""
+        phases = {"backward": self.backward_peak, "reduce": self.reduce_peak, "update": self.update_peak}
+        return max(phases, key=lambda name: phases[name])
+
+    @property
     def total(self) -> int:
-        """The role's peak: the larger of the two phases."""
-        return max(self.backward_peak, self.update_peak)
+        """The role's peak: the largest of the phases."""
+        return max(self.backward_peak, self.reduce_peak, self.update_peak)
 
     def to_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "first_layer": self.layers[0], "last_layer": self.layers[1],
                 "parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations": self.activations, "buckets": self.buckets, "transient": self.transient,
-                "total": self.total, "peak_phase": "backward" if self.backward_peak >= self.update_peak else "update",
+                "total": self.total, "peak_phase": self.peak_phase,
                 "micro_batches_in_flight": self.in_flight, "parameters_held": self.elements,
                 "formulas": [{"name": p.name, "bytes": p.bytes, "reason": p.reason, "phase": p.phase}
                              for p in self.parts]}
@@ -124,6 +141,10 @@ class StepShape:
     zero_config: Mapping[str, Any] = field(default_factory=dict)
     activation_checkpointing: bool = False
     memory_weight: float = 0.8
+    replicas: int = 1
+    """Sharded data parallelism: the MiCS replica groups' size (dp / ``optimizer_shard``)."""
+    backend: str = "nccl"
+    """The collectives' backend: ``gloo`` (CPU ranks) copies a reduce-scatter's input once more."""
     prescaled_batch: bool = False
     """SMP's ``prescaled_batch``: False (its default) gathers the tensor-parallel group's batches in each block."""
 
@@ -136,16 +157,20 @@ def estimate_memory(source: ModelSource, shape: StepShape) -> MemoryEstimate:
         raise ValueError(f"the per-rank batch {shape.batch_per_rank} is not divisible by microbatches "
                          f"{shape.microbatches}")
     micro = shape.batch_per_rank // shape.microbatches
+    sharded = shape.zero_stage == 3
+    if sharded and shape.pipeline_stages > 1:
+        raise ValueError("sharded data parallelism with pipeline stages is not estimated")
     tp = shape.tensor_parallel
     with fake_group(tp) if tp > 1 else contextlib.nullcontext() as group, FakeTensorMode(allow_non_fake_inputs=True):
-        model = _build(source, shape).train()
-        if tp > 1:
-            shard(model, group, tp, shape.prescaled_batch)
+        with _default_dtype(shape.dtype):  # fake tensors cannot be converted: built (and replaced) in the step's dtype
+            model = source.build().train()
+            if tp > 1:
+                shard(model, group, tp, shape.prescaled_batch)
         if shape.activation_checkpointing:
             checkpoint_blocks(model)
         inputs = source.make_inputs(model, micro, shape.seq_len)
         if shape.pipeline_stages == 1:
-            stages = [_whole_model(model, inputs)]
+            stages = [_whole_model(model, inputs, preallocate_grads=not sharded)]
         else:
             stages = _pipeline_stages(model, inputs, shape)
     half = shape.dtype in (torch.float16, torch.bfloat16)
@@ -153,15 +178,29 @@ def estimate_memory(source: ModelSource, shape: StepShape) -> MemoryEstimate:
     roles = []
     for index, (names, elements, trace) in enumerate(stages):
         in_flight = min(shape.pipeline_stages - index, shape.microbatches) if shape.pipeline_stages > 1 else 1
-        optimizer, buckets = model_states(elements=elements, grad_bytes_per_element=elem, half=half,
-                                          zero_stage=shape.zero_stage, shard=shape.optimizer_shard,
-                                          zero_config=shape.zero_config)
         activations = trace.peak_activations + (in_flight - 1) * trace.saved_activations
         transient = trace.peak - trace.parameters - trace.gradients - trace.peak_activations
-        roles.append(RoleMemory(stage=index, layers=names, parameters=trace.parameters, gradients=trace.gradients,
+        parameters, gradients, shown = trace.parameters, trace.gradients, []
+        if sharded:
+            found = census([model], shape.optimizer_shard, shape.zero_config)
+            z3 = zero3_states(found, element_size=elem, shard=shape.optimizer_shard, replicas=shape.replicas,
+                              zero_config=shape.zero_config, traced_gradients=trace.gradients,
+                              final_gradients=trace.final_gradients, final_held=trace.final_held,
+                              reduce_scatter_copies=2 if shape.backend == "gloo" else 1)
+            optimizer, buckets, shown, bucket_bytes = z3.optimizer, z3.buckets, z3.shown, z3.bucket_bytes()
+            parameters = trace.parameters - found.whole_bytes + elem * found.partition + found.persistent_bytes
+            gradients = elem * found.partition  # the flat gradient partition, in the training dtype
+            transient += found.gathered_bytes
+            elements = found.partition
+        else:
+            optimizer, buckets = model_states(elements=elements, grad_bytes_per_element=elem, half=half,
+                                              zero_stage=shape.zero_stage, shard=shape.optimizer_shard,
+                                              zero_config=shape.zero_config)
+            bucket_bytes = sum(p.bytes for p in buckets)
+        roles.append(RoleMemory(stage=index, layers=names, parameters=parameters, gradients=gradients,
                                 optimizer=sum(p.bytes for p in optimizer), activations=activations,
-                                buckets=sum(p.bytes for p in buckets), transient=max(transient, 0),
-                                in_flight=in_flight, elements=elements, parts=tuple(optimizer + buckets)))
+                                buckets=bucket_bytes, transient=max(transient, 0),
+                                in_flight=in_flight, elements=elements, parts=tuple(optimizer + buckets + shown)))
     return MemoryEstimate(model=source.description, roles=tuple(roles), micro_batch=micro, seq_len=shape.seq_len,
                           dtype=str(shape.dtype).replace("torch.", ""),
                           activation_checkpointing=shape.activation_checkpointing)
@@ -170,12 +209,13 @@ def estimate_memory(source: ModelSource, shape: StepShape) -> MemoryEstimate:
 Stage = tuple[tuple[str, str], int, StepTrace]
 
 
-def _build(source: ModelSource, shape: StepShape) -> nn.Module:
-    """The model in the step's dtype: built under that default dtype (fake tensors cannot be converted)."""
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Tensors made inside default to ``dtype``."""
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(shape.dtype)
+    torch.set_default_dtype(dtype)
     try:
-        return source.build()
+        yield
     finally:
         torch.set_default_dtype(previous)
 
@@ -185,7 +225,7 @@ def _elements(modules: list[nn.Module]) -> int:
     return sum(seen.values())
 
 
-def _whole_model(model: nn.Module, inputs: dict[str, Any]) -> Stage:
+def _whole_model(model: nn.Module, inputs: dict[str, Any], *, preallocate_grads: bool = True) -> Stage:
     held: list[Any] = []
 
     def run() -> Any:
@@ -198,7 +238,7 @@ def _whole_model(model: nn.Module, inputs: dict[str, Any]) -> Stage:
         return value.float().mean()
 
     names = [n for n, _ in model.named_children()]
-    trace = trace_step(run, [model])
+    trace = trace_step(run, [model], preallocate_grads=preallocate_grads)
     held.clear()
     return (names[0], names[-1]), _elements([model]), trace
 

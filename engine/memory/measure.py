@@ -4,8 +4,9 @@
 seen and uncounted when Python frees it (a weak reference's callback), and the peak of the running sum is
 kept. It installs no module or gradient hooks, so it keeps nothing alive itself (PyTorch's ``MemTracker``
 holds freed tensors in reference cycles until the garbage collector runs, which doubled a 2 GB DeepSpeed
-bucket at random). Storages resized in place (``UntypedStorage.resize_``, as ZeRO-3 frees gathered
-parameters) are counted at their first size: use it for layouts without ZeRO-3.
+bucket at random). Storages resized in place (``UntypedStorage.resize_``) are counted at their first size;
+DeepSpeed 0.19.8's ZeRO-3 resizes none (it frees a gathered parameter by replacing ``param.data`` with an empty
+tensor), so sharded data parallelism is counted exactly too.
 """
 
 from __future__ import annotations

@@ -37,14 +37,17 @@ class StatePart:
     bytes: int
     reason: str
     phase: str = "persistent"
-    """``persistent`` (held through forward and backward) or ``step`` (only after backward)."""
+    """``persistent`` (held through forward, backward and update), ``step`` (only after backward), ``backward``
+    (only during forward and backward) or ``transient`` (already in the role's transient column; shown for its
+    reason)."""
 
 
 def model_states(*, elements: int, grad_bytes_per_element: int, half: bool, zero_stage: int, shard: int,
                  zero_config: Mapping[str, Any]) -> tuple[list[StatePart], list[StatePart]]:
     """(optimizer-side parts, bucket parts) for ``elements`` parameters held by this rank."""
     if zero_stage not in (0, 1):
-        raise ValueError(f"ZeRO stage {zero_stage}: the memory estimate covers stages 0 and 1 (DDP, ZeRO-1)")
+        raise ValueError(f"ZeRO stage {zero_stage}: these formulas cover stages 0 and 1 (DDP, ZeRO-1); stage 3 "
+                         f"(sharded data parallelism) is zero3_states'")
     optimizer: list[StatePart] = []
     buckets: list[StatePart] = []
     if zero_stage == 0:

@@ -5,7 +5,9 @@
 (made and freed inside forward or backward) and others (inputs). Under ``FakeTensorMode`` no storage
 is allocated, yet the tracker sees the same tensors with the same sizes, so the peak it reports is the
 one a real step would reach. Gradients are allocated before the step (as they are from the second step
-on, or from the second micro-batch on): the trace is of a step in steady state.
+on, or from the second micro-batch on): the trace is of a step in steady state. Under ZeRO-3 (sharded data
+parallelism) no gradient outlives its micro-batch's backward, so the trace starts without them and sees each
+whole gradient from the moment autograd makes it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ class StepTrace:
     peak_activations: int
     peak_transient: int
     """Transient tensors and inputs (neither parameter, gradient nor saved activation) at the peak."""
+    final_gradients: int = 0
+    """Gradients alive when backward ends."""
+    final_held: int = 0
+    """Everything else alive when backward ends, before the step drops its output (the logits, a cache)."""
 
 
 class _DeviceTotalsTracker(MemTracker):
@@ -76,12 +82,13 @@ def _unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
     return list(seen.values())
 
 
-def trace_step(run: Callable[[], Any], tracked: Sequence[nn.Module]) -> StepTrace:
+def trace_step(run: Callable[[], Any], tracked: Sequence[nn.Module], *, preallocate_grads: bool = True) -> StepTrace:
     """Trace ``run()`` (the forward, returning a loss or the stage's outputs) and its backward.
 
-    ``tracked``: the modules whose parameters this rank holds; their gradients are allocated first.
+    ``tracked``: the modules whose parameters this rank holds; with ``preallocate_grads`` their gradients are
+    allocated first (held across micro-batches), else made by the backward (ZeRO-3 reduces and frees them).
     """
-    for p in _unique_parameters(tracked):
+    for p in _unique_parameters(tracked) if preallocate_grads else ():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
     tracker = _DeviceTotalsTracker()
@@ -90,6 +97,7 @@ def trace_step(run: Callable[[], Any], tracked: Sequence[nn.Module]) -> StepTrac
         output = run()
         after_forward = tracker.get_tracker_snapshot()
         backward_from(output)
+        after_backward = tracker.get_tracker_snapshot()
         del output
         peak = tracker.get_tracker_snapshot("peak")
     return StepTrace(
@@ -99,4 +107,7 @@ def trace_step(run: Callable[[], Any], tracked: Sequence[nn.Module]) -> StepTrac
         peak=_total(peak),
         peak_activations=_kind(peak, _MemRefType.ACT),
         peak_transient=_kind(peak, _MemRefType.TEMP, _MemRefType.OTH),
+        final_gradients=_kind(after_backward, _MemRefType.GRAD),
+        final_held=_total(after_backward) - _kind(after_backward, _MemRefType.PARAM, _MemRefType.BUFFER,
+                                                   _MemRefType.GRAD),
     )

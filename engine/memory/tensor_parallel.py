@@ -7,21 +7,28 @@ return tensors of the right shapes without peers, so the traced step of rank 0 i
 the group runs (the ranks hold equal shapes), all-gathered batches and all-reduced outputs included.
 
 Covered: the families whose blocks the engine shards in place (GPT-2, LLaMA, Mistral, BERT, RoBERTa,
-GPT-NeoX, GPT-J, GPT-Neo, ...: ``tensor_parallel.families.RULES``). Layers replaced by ``smp.nn`` modules take
-their group from a running ``smp.init`` and are not estimated yet.
+GPT-NeoX, GPT-J, GPT-Neo, ...: ``tensor_parallel.families.RULES``), and every other model through the
+replacement of its ``nn.Linear`` / ``nn.Embedding`` layers by ``smp.nn.DistributedLinear`` /
+``DistributedEmbedding`` (Qwen2, Falcon, ...). Those modules take their group from the running ``smp.init``
+(``nn.parallel.group.current``); while the model is cut here that answers the fake group, and the random
+streams their fresh weights and regions start are dropped with the fake group.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
+from unittest import mock
 
+import torch
 from torch import nn
 
+from smp2ds.engine.core.state import state
+from smp2ds.engine.nn.parallel import group as tp_group
 from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.nn.parallel.marks import set_tensor_parallelism
 from smp2ds.engine.tensor_parallel import registry
-from smp2ds.engine.tensor_parallel.families import RULES, blocks
 
 
 @contextlib.contextmanager
@@ -34,17 +41,35 @@ def fake_group(size: int) -> Iterator[object]:
         raise ValueError("the memory estimate under tensor parallelism runs in a process without "
                          "torch.distributed (its collectives are faked)")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    rng = state.rng_manager  # the smp.nn modules' fresh weights and regions start one; the estimate leaves none
     try:
         yield dist.group.WORLD
     finally:
+        state.rng_manager = rng
         dist.destroy_process_group()
 
 
-def shard(model: nn.Module, handle: object, size: int, prescaled_batch: bool) -> None:
-    """Mark the whole model and shard it as ``smp.DistributedModel`` would; ValueError when nothing is cut."""
+def shard(model: nn.Module, handle: object, size: int, prescaled_batch: bool) -> registry.Report:
+    """Mark the whole model and shard or replace its layers as ``smp.DistributedModel`` would; ValueError when
+    nothing is cut."""
     group = TPGroup(handle=handle, rank=0, size=size, ranks=tuple(range(size)), prescaled_batch=prescaled_batch)
-    if not list(blocks(model)):
-        raise ValueError(f"the memory estimate under tensor parallelism covers models whose blocks the engine shards "
-                         f"in place ({', '.join(sorted(RULES))}); {type(model).__name__} has none")
     set_tensor_parallelism(model)
-    registry.apply(model, group)
+    original_to = nn.Module.to
+
+    def same_place_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        # The replacement moves each new module to its predecessor's device and dtype; both are already this
+        # step's (fake CPU, built under the step's default dtype), and torch cannot swap a fake parameter
+        # (``Module._apply`` swaps FakeTensors, which FakeTensorMode holds weak references to).
+        target = torch._C._nn._parse_to(*args, **kwargs)
+        held = [*module.parameters(), *module.buffers()]
+        if all(t.device == (target[0] or t.device) and (target[1] is None or t.dtype == target[1]) for t in held):
+            return module
+        return original_to(module, *args, **kwargs)
+
+    # smp.nn modules read their group from smp.init's state: here, the fake one
+    with mock.patch.object(tp_group, "current", return_value=group), mock.patch.object(nn.Module, "to", same_place_to):
+        report = registry.apply(model, group)
+    if not report.sharded_blocks and not report.replaced:
+        raise ValueError(f"tensor parallelism cuts nothing of {type(model).__name__}: no block the engine shards in "
+                         "place and no nn.Linear / nn.Embedding it replaces")
+    return report

@@ -60,12 +60,27 @@ def test_fit_proposes_layouts_that_fit_best_first(files, capsys):
     assert all(item["peak"] <= found["usable_bytes"] for item in found["fitting"])
     sent = [item["bytes_per_rank"] for item in found["fitting"] if not item["activation_checkpointing"]]
     assert sent == sorted(sent)
+    assert any(item["smp_parameters"].get("sharded_data_parallel_degree") == 2 for item in found["fitting"])
     # ZeRO-1's 5e8-element bucket (about 1.9 GiB in fp32) does not fit a 1.5 GiB device: only DDP layouts remain
     assert main([*argv, "--fit", "1.5GiB", "--format", "json"]) == 0
     small = json.loads(capsys.readouterr().out)
     assert small["fitting"] and not any(i["smp_parameters"].get("shard_optimizer_state") for i in small["fitting"])
     assert main([*argv, "--fit", "1MiB"]) == 0
     assert "none fits" in capsys.readouterr().out
+
+
+def test_memory_sizes_sharded_data_parallelism(tmp_path, files, capsys):
+    _, model = files
+    smp = tmp_path / "sdp.json"
+    smp.write_text(json.dumps({"sharded_data_parallel_degree": 2, "microbatches": 2, "ddp": True}))
+    argv = ["explain", str(smp), "--model", model, "--memory", "--world-size", "4", "--batch-size", "4"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "fp32 master partition" in text and "[update only]" in text and "gathered parameters" in text
+    assert main([*argv, "--format", "json"]) == 0
+    role = json.loads(capsys.readouterr().out)["roles"][0]
+    assert {f["name"] for f in role["formulas"]} >= {"Adam moments", "reduce bucket", "replica all-reduce copy"}
+    assert role["peak_phase"] in ("backward", "reduce", "update")
 
 
 @pytest.mark.parametrize("extra,message", [

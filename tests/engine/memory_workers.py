@@ -31,12 +31,23 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bert": {"model_type": "bert", "architectures": ["BertForMaskedLM"], "num_hidden_layers": 4, "hidden_size": 256,
              "intermediate_size": 1024, "num_attention_heads": 4, "vocab_size": 4096, "max_position_embeddings": 256,
              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+    # no in-place sharding rule: tensor parallelism replaces its nn.Linear / nn.Embedding layers by smp.nn modules
+    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4, "hidden_size": 256,
+              "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096,
+              "max_position_embeddings": 256, "tie_word_embeddings": False},
 }
+FAMILIES = ("gpt2", "llama", "bert")
+"""The families of the full table (``qwen2`` is measured at tp 2 only)."""
 LAYOUTS: dict[str, dict[str, Any]] = {
     "ddp": {"ddp": True, "microbatches": 2},
     "zero1": {"ddp": True, "microbatches": 2, "shard_optimizer_state": True},
     "pp2": {"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 4, "partitions": 2},
     "tp2": {"ddp": True, "tensor_parallel_degree": 2, "microbatches": 2},
+    "sdp2": {"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": 2},
+    # every parameter over 1000 elements partitioned and gathered, 2e5-element reduce buckets, 4e5 live elements
+    "sdp2small": {"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": 2,
+                  "sdp_param_persistence_threshold": 1000, "sdp_reduce_bucket_size": 200000,
+                  "sdp_max_live_parameters": 400000},
 }
 
 
@@ -117,5 +128,5 @@ def estimated_roles(layout: str | dict[str, Any], ckpt: bool, config_path: str, 
 
     lay = Layout(world_size=world)
     result = plan(normalize(_params(layout), lay), lay)
-    shape = step_shape(result, batch_per_rank=BATCH, seq_len=SEQ, activation_checkpointing=ckpt)
+    shape = step_shape(result, batch_per_rank=BATCH, seq_len=SEQ, activation_checkpointing=ckpt, backend="gloo")
     return [r.to_dict() for r in estimate_memory(load_model_source(config_path), shape).roles]

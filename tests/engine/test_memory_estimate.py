@@ -94,6 +94,56 @@ def test_zero1_shards_the_optimizer_and_allocates_its_bucket_whole():
         model_states(zero_stage=3, shard=4, zero_config={}, **common)
 
 
+def _sdp(source, shard: int, **zero: int):
+    config = {"stage3_param_persistence_threshold": 1000, **zero}
+    return estimate_memory(source, StepShape(batch_per_rank=4, seq_len=64, zero_stage=3, optimizer_shard=shard,
+                                              zero_config=config)).roles[0]
+
+
+def test_sharded_data_parallelism_partitions_the_model_states_and_gathers_the_parameters(gpt2_dir):
+    """ZeRO-3 over the shard group: 1/S of the parameters, gradients and optimizer state (every partition padded),
+    parameters over the persistence threshold whole only while gathered (all of this small model: they are reused
+    within max_reuse_distance), no gradient held before backward."""
+    source = load_model_source(gpt2_dir)
+    ddp = estimate_memory(source, StepShape(batch_per_rank=4, seq_len=64)).roles[0]
+    with FakeTensorMode():
+        sizes = [p.numel() for p in _gpt2().parameters()]
+    big = [n for n in sizes if n > 1000]
+    for shard in (2, 4):
+        role = _sdp(source, shard)
+        partition = sum(-(-n // shard) for n in sizes)
+        assert role.elements == partition and role.gradients == 4 * partition
+        persistent = 4 * sum(n for n in sizes if n <= 1000)
+        assert role.parameters == 4 * partition + persistent  # GPT-2 has no buffers here
+        parts = {p.name: p for p in role.parts}
+        assert parts["Adam moments"].bytes == 8 * partition and parts["fp32 master partition"].bytes == 4 * partition
+        assert parts["gathered parameters"].bytes == 4 * sum(big)
+        assert role.transient >= parts["gathered parameters"].bytes
+        assert role.activations == ddp.activations
+        assert role.total < ddp.total
+    assert _sdp(source, 4).total < _sdp(source, 2).total
+    # a short reuse distance and few live parameters: the running layer and the prefetch only
+    capped = {p.name: p.bytes for p in _sdp(source, 2, stage3_max_reuse_distance=0, stage3_max_live_parameters=0,
+                                             stage3_prefetch_bucket_size=0).parts}
+    assert capped["gathered parameters"] == 4 * max(big)  # the tied embedding is the largest layer
+
+
+def test_sharded_data_parallelism_reduces_whole_gradients_in_buckets(gpt2_dir):
+    """The reduce bucket holds whole gradients until reduce_bucket_size elements arrive; the last one is reduce-
+    scattered when backward ends through a flat copy (two on gloo)."""
+    source = load_model_source(gpt2_dir)
+    role = _sdp(source, 2)
+    parts = {p.name: p for p in role.parts}
+    whole = 4 * sum(p.numel() for p in _gpt2().parameters())
+    assert parts["last reduce bucket"].bytes == whole == parts["reduce-scatter copies"].bytes
+    assert parts["last reduce bucket"].phase == "reduce" and role.reduce_peak > 0
+    small = {p.name: p.bytes for p in _sdp(source, 2, reduce_bucket_size=1000).parts}
+    assert small["last reduce bucket"] == 4 * (1000 + GPT2["vocab_size"] * GPT2["n_embd"])  # a bucket and a parameter
+    gloo = estimate_memory(source, StepShape(batch_per_rank=4, seq_len=64, zero_stage=3, optimizer_shard=2,
+                                             backend="gloo")).roles[0]
+    assert {p.name: p.bytes for p in gloo.parts}["reduce-scatter copies"] == 2 * whole
+
+
 def test_pipeline_roles_hold_their_stage_and_the_micro_batches_in_flight(gpt2_dir):
     source = load_model_source(gpt2_dir)
     whole = estimate_memory(source, StepShape(batch_per_rank=4, seq_len=64, microbatches=4))
@@ -128,7 +178,26 @@ def test_tensor_parallelism_cuts_the_blocks_as_the_engine_does(gpt2_dir):
     assert shared.activations < one.activations < gathered.activations
 
 
-def test_layouts_it_cannot_estimate_are_refused_with_the_reason(tmp_path):
+def test_tensor_parallelism_replaces_other_models_layers_as_the_engine_does(tmp_path):
+    """Qwen2 has no in-place sharding rule: the engine replaces its nn.Linear / nn.Embedding layers by smp.nn
+    modules over the tensor-parallel group, each holding 1/tp of its weight (the norms stay whole)."""
+    qwen = tmp_path / "qwen.json"
+    qwen.write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32,
+                                "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "num_hidden_layers": 1, "vocab_size": 100, "tie_word_embeddings": False}))
+    from smp2ds.engine.core.state import state
+
+    source = load_model_source(str(qwen))
+    stream = state.rng_manager
+    one = estimate_memory(source, StepShape(batch_per_rank=2, seq_len=8)).roles[0]
+    two = estimate_memory(source, StepShape(tensor_parallel=2, batch_per_rank=2, seq_len=8)).roles[0]
+    norms = 3 * 32  # input, post-attention and final RMSNorm weights
+    assert two.elements == (one.elements - norms) // 2 + norms
+    assert two.activations > one.activations  # prescaled_batch false: each layer runs both ranks' batches
+    assert state.rng_manager is stream  # the smp.nn modules' random streams are not left behind
+
+
+def test_layouts_it_cannot_estimate_are_refused_with_the_reason(tmp_path, gpt2_dir):
     from smp2ds.engine.memory.layout import step_shape
     from smp2ds.translator.normalize import normalize
     from smp2ds.translator.plan_types import Layout
@@ -136,14 +205,11 @@ def test_layouts_it_cannot_estimate_are_refused_with_the_reason(tmp_path):
 
     layout = Layout(world_size=4)
     sdp = plan(normalize({"sharded_data_parallel_degree": 2, "ddp": True}, layout), layout)
-    with pytest.raises(ValueError, match="sharded data parallelism"):
-        step_shape(sdp, batch_per_rank=2, seq_len=32, activation_checkpointing=False)
-    qwen = tmp_path / "qwen.json"
-    qwen.write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32,
-                                "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                "num_hidden_layers": 1, "vocab_size": 100}))
-    with pytest.raises(ValueError, match="blocks the engine shards in place"):
-        estimate_memory(load_model_source(str(qwen)), StepShape(tensor_parallel=2, batch_per_rank=2, seq_len=8))
+    shape = step_shape(sdp, batch_per_rank=2, seq_len=32, activation_checkpointing=False)
+    assert (shape.zero_stage, shape.optimizer_shard, shape.replicas) == (3, 2, 2)
+    with pytest.raises(ValueError, match="sharded data parallelism with pipeline stages"):
+        estimate_memory(load_model_source(gpt2_dir), StepShape(pipeline_stages=2, microbatches=2, batch_per_rank=2,
+                                                               seq_len=8, zero_stage=3, optimizer_shard=2))
     with pytest.raises(ValueError, match="neither a config.json"):
         load_model_source(str(tmp_path / "missing"))
 

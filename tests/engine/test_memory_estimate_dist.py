@@ -2,8 +2,9 @@
 
 Each rank runs the engine for two steps under a counter of live tensor storages (``tests/engine/memory_workers``,
 independent of the tracer the estimate uses); its peak must be within 10 % of the estimate for its role. Rows:
-a pipeline with two micro-batches in flight on its first stage, and tensor parallelism with activation
-checkpointing (the full table is ``bench/memory_estimate_accuracy.py``'s).
+a pipeline with two micro-batches in flight on its first stage, tensor parallelism with activation
+checkpointing, and sharded data parallelism (ZeRO-3 over 2 ranks) with every parameter over 1000 elements
+gathered and small reduce buckets (the full table is ``bench/memory_estimate_accuracy.py``'s).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from tests.engine import memory_workers as rows
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,layout,ckpt", [("gpt2", "pp2", False), ("llama", "tp2", True)])
+@pytest.mark.parametrize("family,layout,ckpt", [("gpt2", "pp2", False), ("llama", "tp2", True),
+                                               ("gpt2", "sdp2small", False)])
 def test_estimate_is_within_ten_percent_of_the_measured_peak_of_every_rank(tmp_path, family, layout, ckpt):
     path = rows.write_config(family, str(tmp_path / f"{family}.json"))
     roles = rows.estimated_roles(layout, ckpt, path)

@@ -2,10 +2,11 @@
 
 ``--memory`` prints each rank role's peak for one training step (``smp2ds.engine.memory``: the model traced on
 fake tensors, plus DeepSpeed's model states by formula) and, with ``--gpu-memory``, the verdict. ``--fit`` searches
-the layouts the world size allows (pipeline and tensor-parallel degrees, micro-batches, optimizer-state sharding,
-activation checkpointing), keeps those whose largest role fits, ranks them by the bytes each rank sends per step
-(``smp2ds.translator.estimate`` for the data-parallel traffic, ``tp_traffic`` for tensor parallelism's) and
-prints the SMP parameters to paste. Both import torch and transformers; nothing else in the CLI does.
+the layouts the world size allows (pipeline and tensor-parallel degrees, micro-batches, optimizer-state sharding:
+ZeRO-1 or sharded data parallelism, activation checkpointing), keeps those whose largest role fits, ranks them
+by the bytes each rank sends per step (``smp2ds.translator.estimate`` for the data-parallel traffic,
+``tp_traffic`` for tensor parallelism's) and prints the SMP parameters to paste. Both import torch and
+transformers; nothing else in the CLI does.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def device_from_flag(text: str | None) -> tuple[int, str] | None:
     """(bytes, label) of a ``--gpu-memory`` / ``--fit`` value; a UsageError naming what is allowed."""
     if text is None:
         return None
+    # only the memory flags need the device table
     from smp2ds.translator.device_memory import device_bytes
 
     try:
@@ -86,6 +88,7 @@ def _batch(result: Any) -> tuple[int, str]:
 
 def _load(model: str) -> Any:
     with _quiet_stdout():
+        # torch and transformers load only with --memory / --fit (CLI start-up)
         from smp2ds.engine.memory import load_model_source
 
         try:
@@ -96,8 +99,9 @@ def _load(model: str) -> Any:
 
 def _estimate(source: Any, result: Any, batch: int, seq: int, ckpt: bool) -> Any:
     with _quiet_stdout():
+        # torch and transformers load only with --memory / --fit (CLI start-up)
         from smp2ds.engine.memory import estimate_memory
-        from smp2ds.engine.memory.layout import step_shape
+        from smp2ds.engine.memory.layout import step_shape  # as above
 
         try:
             return estimate_memory(source, step_shape(result, batch_per_rank=batch, seq_len=seq,
@@ -140,12 +144,20 @@ def fit_warning(model: str, config: Any, result: Any, device: tuple[int, str], *
 
 
 def _verdict(estimate: Any, size: int, label: str) -> dict[str, Any]:
+    # torch loads only with --memory / --fit (CLI start-up)
     from smp2ds.engine.memory.estimate import ALLOCATOR_SHARE, CONTEXT_BYTES, usable_bytes
 
     usable = usable_bytes(size)
     return {"device": label, "bytes": size, "usable_bytes": usable, "context_bytes": CONTEXT_BYTES,
             "allocator_share": ALLOCATOR_SHARE, "fits": estimate.peak <= usable,
             "headroom_bytes": usable - estimate.peak}
+
+
+_PHASES = {"backward": "backward", "reduce": "last reduce-scatter", "update": "update"}
+"""The phases a role peaks in (``RoleMemory.peak_phase``), for people."""
+_HELD = {"persistent": "", "step": " [update only]", "backward": " [forward and backward only]",
+         "reduce": " [at the last reduce-scatter only]", "transient": ""}
+"""When a formula part is held (``StatePart.phase``), for people."""
 
 
 def render_memory_text(report: Mapping[str, Any]) -> str:
@@ -163,13 +175,14 @@ def render_memory_text(report: Mapping[str, Any]) -> str:
                      f"{role['first_layer']} .. {role['last_layer']}",
                      human_bytes(role["parameters"]), human_bytes(role["gradients"]), human_bytes(role["optimizer"]),
                      f"{human_bytes(role['activations'])} ({role['micro_batches_in_flight']} mb)",
-                     human_bytes(role["buckets"]), human_bytes(role["transient"]), human_bytes(role["total"])])
+                     human_bytes(role["buckets"]), human_bytes(role["transient"]), human_bytes(role["total"]),
+                     _PHASES[role["peak_phase"]]])
     parts = [head, table(["role", "layers", "params", "grads", "optimizer", "activations", "buckets", "transient",
-                          "peak"], rows)]
+                          "peak", "peak in"], rows)]
     formulas = report["roles"][0]["formulas"]
     if formulas:
         parts.append("\nby formula (no tracer sees them), stage 0:\n" + "".join(
-            f"  {f['name']}: {human_bytes(f['bytes'])} - {f['reason']}\n" for f in formulas))
+            f"  {f['name']}: {human_bytes(f['bytes'])} - {f['reason']}{_HELD[f['phase']]}\n" for f in formulas))
     device = report.get("device")
     if device:
         verdict = "fits" if device["fits"] else "does NOT fit"
@@ -208,19 +221,22 @@ def _candidate_params(given: Mapping[str, Any], world: int, batch: int) -> Itera
             dp = world // (pp * tp)
             choices = {1, pp, 2 * pp} | ({int(own)} if isinstance(own, int) else set())
             micro = sorted(m for m in choices if batch % m == 0 and (pp == 1 or m >= pp))
+            # optimizer-state sharding: none, ZeRO-1 over the rdp group, or sharded data parallelism over a
+            # divisor of it (SMP runs it without pipelines; with tensor parallelism it needs prescaled_batch)
+            shardings: list[dict[str, Any]] = [{}] + ([{"shard_optimizer_state": True}] if dp > 1 else [])
+            if pp == 1 and tp == 1:
+                shardings += [{"sharded_data_parallel_degree": d} for d in _divisors(dp) if d > 1]
             for m in micro:
-                for shard in ([False, True] if dp > 1 else [False]):
-                    params = {**keep, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "microbatches": m,
-                              "ddp": True}
-                    if shard:
-                        params["shard_optimizer_state"] = True
-                    yield params
+                for sharding in shardings:
+                    yield {**keep, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "microbatches": m,
+                           "ddp": True, **sharding}
 
 
 def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) -> dict[str, Any]:
     """Layouts of this world size that fit ``--fit``'s device, best first."""
+    # the traffic model and the planner serve --fit alone
     from smp2ds.translator.estimate import estimate as traffic
-    from smp2ds.translator.normalize import normalize
+    from smp2ds.translator.normalize import normalize  # as above
 
     if not args.model:
         raise UsageError("--fit needs --model (a config.json, a model directory or module:function)")
@@ -229,8 +245,9 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
     seq, _ = _seq_len(args.seq_len, config, source)
     batch, _ = _batch(result)
     world = int(result.topology["world_size"])
+    # torch loads only with --memory / --fit (CLI start-up)
     from smp2ds.engine.memory.estimate import usable_bytes
-    from smp2ds.translator.planner import plan
+    from smp2ds.translator.planner import plan  # as above
 
     usable = usable_bytes(size)
     n_params = source.parameter_count()  # the traffic model's scale: the whole model
@@ -261,6 +278,7 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
 def _tensor_parallel_bytes(model_config: Mapping[str, Any], plan: Any, batch: int, seq: int) -> float:
     """Bytes a rank sends per step for tensor parallelism's all-reduces (``translator/tp_traffic.py``), for a
     Hugging Face config that names its layer count and hidden size; 0 without tensor parallelism."""
+    # the tensor-parallel traffic model serves --fit alone
     from smp2ds.translator.tp_traffic import tensor_parallel_traffic
 
     tp = int(plan.topology["tensor_parallel_degree"])
