@@ -68,8 +68,10 @@ def make_backend(module: torch.nn.Module, state: State) -> Backend:
         return PipelineBackend(module, plan=plan, groups=groups, microbatches=microbatches,
                                tensor_parallel=_parallelize(module))
     from smp2ds.engine.data_parallel.backend import DataParallelBackend  # start-up: only when chosen
+    from smp2ds.engine.data_parallel.replicated import ReplicatedParameters  # start-up: with that backend
 
     plan_ds = dict(plan.deepspeed)
+    rdp = (groups.coords.rdp_rank, groups.topology.rdp)  # where ZeRO-1 partitions the optimizer state
     if name in ("tensor-parallel+mics", "mics"):
         from smp2ds.engine.mics.born_partitioned import sharding_around  # start-up: only when chosen
         from smp2ds.engine.mics.sharding import MicsSharding  # start-up: only when chosen
@@ -80,13 +82,11 @@ def make_backend(module: torch.nn.Module, state: State) -> Backend:
         return DataParallelBackend(module, plan_ds, microbatches=microbatches,
                                    sharding=MicsSharding(state.mics_groups, view))
     if name == "tensor-parallel":
-        from smp2ds.engine.data_parallel.replicated import ReplicatedParameters  # start-up: only when chosen
-
         view = _parallelize(module)
-        sharding = ReplicatedParameters(mpu=view.deepspeed_mpu(groups), tensor_parallel=view)
+        sharding = ReplicatedParameters(rdp, mpu=view.deepspeed_mpu(groups), tensor_parallel=view)
         return DataParallelBackend(module, plan_ds, microbatches=microbatches, sharding=sharding)
     if name == "deepspeed-data-parallel":
-        return DataParallelBackend(module, plan_ds, microbatches=microbatches)
+        return DataParallelBackend(module, plan_ds, microbatches=microbatches, sharding=ReplicatedParameters(rdp))
     raise SMPInvalidArgumentError(f"the Plan's /engine/backend/name is {name!r}; this engine has the backends "
                                   f"{', '.join(BACKENDS)} (was the Plan made by another smp2ds version?)")
 

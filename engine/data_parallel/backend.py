@@ -31,7 +31,6 @@ from smp2ds.engine.core import deepspeed_optimizer as dso
 from smp2ds.engine.core.model_io import scalar_for_backward
 from smp2ds.engine.core.parameter_sharding import ParameterSharding
 from smp2ds.engine.core.tensor_parallel_view import TensorParallelView
-from smp2ds.engine.data_parallel.replicated import ReplicatedParameters
 from smp2ds.engine.exceptions import SMPUnsupportedError
 
 
@@ -67,12 +66,11 @@ class DataParallelBackend:
     forward_needs_step = False
     """The model may run outside ``@smp.step`` (evaluation code calling it directly)."""
 
-    def __init__(self, module: torch.nn.Module, plan_ds: dict, *, microbatches: int,
-                 sharding: ParameterSharding | None = None):
-        """``sharding``: where parameters live, and the tensor-parallel model they belong to (default:
-        replicated, DDP / ZeRO-1, no tensor parallelism)."""
+    def __init__(self, module: torch.nn.Module, plan_ds: dict, *, microbatches: int, sharding: ParameterSharding):
+        """``sharding``: where parameters live (replicated for DDP / ZeRO-1, or MiCS shard groups), and the
+        tensor-parallel model they belong to."""
         self.module = module
-        self.sharding: ParameterSharding = sharding if sharding is not None else ReplicatedParameters()
+        self.sharding: ParameterSharding = sharding
         self.tensor_parallel: TensorParallelView | None = self.sharding.tensor_parallel
         self.name: str = self.sharding.name
         self.collective_state_dict: bool = self.sharding.collective_state_dict

@@ -6,18 +6,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from smp2ds.engine.core.state import state
 from smp2ds.engine.core.tensor_parallel_view import TensorParallelView
 
 
 class ReplicatedParameters:
-    """Parameters replicated over the data-parallel group; ``mpu``: DeepSpeed's view of the groups with tensor
-    parallelism (its data-parallel group is rdp), None without."""
+    """Parameters replicated over the data-parallel group. ``rdp``: this rank's index in the reduced-data-parallel
+    group and the group's size (where ZeRO-1 partitions the optimizer state); ``mpu``: DeepSpeed's view of the
+    groups with tensor parallelism (its data-parallel group is rdp), None without."""
 
     clips_in_step = False
     reduces_in_backward = False
 
-    def __init__(self, mpu: Any = None, tensor_parallel: TensorParallelView | None = None) -> None:
+    def __init__(self, rdp: tuple[int, int] = (0, 1), mpu: Any = None,
+                 tensor_parallel: TensorParallelView | None = None) -> None:
+        self._rdp = rdp
         self._mpu = mpu
         self.tensor_parallel = tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
         self.name = "deepspeed-data-parallel" if self.tensor_parallel is None else "tensor-parallel"
@@ -33,7 +35,7 @@ class ReplicatedParameters:
 
     def optimizer_partition(self) -> tuple[int, int]:
         """DeepSpeed's data-parallel group is rdp: this rank's index in it and its size."""
-        return state.groups.coords.rdp_rank, state.groups.topology.rdp
+        return self._rdp
 
     def param_shard_rank(self) -> int:
         """SMP's ``param_shard_rank``: 0 when parameters are not sharded."""

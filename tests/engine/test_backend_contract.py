@@ -32,7 +32,7 @@ GROUPS = SimpleNamespace()  # MiCS shard groups: not read until the engine is bu
 
 
 def _data_parallel(view=None):
-    sharding = ReplicatedParameters(tensor_parallel=view)
+    sharding = ReplicatedParameters((0, 1), tensor_parallel=view)
     return DataParallelBackend(torch.nn.Linear(2, 2), {}, microbatches=1, sharding=sharding)
 
 
