@@ -107,9 +107,10 @@ def _targets() -> tuple[list[tuple[Any, str, str]], list[tuple[Any, str, str]]]:
     parts of the label above them in the printed breakdown."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from smp2ds.engine.core import model_io, step
-    from smp2ds.engine.core.model import DistributedModel
-    from smp2ds.engine.core.optimizer import DistributedOptimizer
+    from smp2ds.engine.api import step
+    from smp2ds.engine.api.model import DistributedModel
+    from smp2ds.engine.api.optimizer import DistributedOptimizer
+    from smp2ds.engine.core import model_io
     from smp2ds.engine.core.step_output import StepOutput
     from smp2ds.engine.data_parallel.backend import DataParallelBackend
     from smp2ds.engine.diagnostics import step_log
@@ -229,7 +230,7 @@ def _worker(rank: int, args: argparse.Namespace, rdv: str, out: str) -> None:
                 sum(st.get(label, 0.0) - sum(st.get(k, 0.0) for k in inner) for label, inner, text in BREAKDOWN
                     if not text.startswith(" ")) for st in timers.steps)}
     ticks = Timers()
-    if smp.state.watchdog is not None:  # started at world size > 1 only (engine/core/init.py)
+    if smp.state.watchdog is not None:  # started at world size > 1 only (engine/api/init.py)
         with ticks.patched([(Watchdog, "_tick", "tick")]):
             time.sleep(args.watchdog_s)  # the watchdog's own thread keeps ticking meanwhile
     report = {"times": times, "parts": parts, "ticks": ticks.calls["tick"],

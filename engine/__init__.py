@@ -13,7 +13,7 @@ from smp2ds.engine import amp
 from smp2ds.engine import exceptions
 from smp2ds.engine import nn
 from smp2ds.engine.core.activation_checkpointing import checkpoint_sequential, set_activation_checkpointing
-from smp2ds.engine.core.checkpoint import resume_from_checkpoint, save_checkpoint
+from smp2ds.engine.api.checkpoint import resume_from_checkpoint, save_checkpoint
 from smp2ds.engine.core.save_load import load, save
 from smp2ds.engine.core.object_collectives import (
     allgather,
@@ -39,9 +39,9 @@ from smp2ds.engine.creation import (
     tp_register,
     tp_register_with_module,
 )
-from smp2ds.engine.core.init import init, is_initialized, shutdown
-from smp2ds.engine.core.model import DistributedModel
-from smp2ds.engine.core.optimizer import DistributedOptimizer
+from smp2ds.engine.api.init import init, is_initialized, shutdown
+from smp2ds.engine.api.model import DistributedModel
+from smp2ds.engine.api.optimizer import DistributedOptimizer
 from smp2ds.engine.core.ranks import (
     CommGroup,
     RankType,
@@ -76,7 +76,7 @@ from smp2ds.engine.core.ranks import (
 )
 from smp2ds.engine.core.state import state
 from smp2ds.engine.core.step_output import StepOutput
-from smp2ds.engine.core.step import step  # rebinds the name `step` from the submodule to the decorator
+from smp2ds.engine.api.step import step  # rebinds the name `step` from the submodule to the decorator
 from smp2ds.engine.core.activation_checkpointing import (
     checkpoint,
 )  # rebinds `checkpoint` to the activation-checkpoint function

@@ -34,7 +34,6 @@ from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
 from smp2ds.engine.checkpoint_tools.shard_rules import Split
 from smp2ds.engine.core import checkpoint_commit as commit
 from smp2ds.engine.core import checkpoint_format as fmt
-from smp2ds.engine.core.checkpoint import SMP2DS_CHECKPOINT_VERSION
 from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedError
 from smp2ds.engine.nn.parallel.shards import ShardSpec
 
@@ -122,7 +121,7 @@ def reshard(layout: CheckpointLayout, out: str, tp: int, pp: int, rdp: int = 1, 
                 records.append(commit.write_file(state, stage_dir, fmt.optimizer_file(stage, rank),
                                                  stage * tp + rank))
     config = {**layout.config, "tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
-              "sharded_data_parallel_degree": sdp, "smp_version": SMP2DS_CHECKPOINT_VERSION}
+              "sharded_data_parallel_degree": sdp, "smp_version": fmt.SMP2DS_CHECKPOINT_VERSION}
     records.append(commit.write_file(config, stage_dir, fmt.SMP_CONFIG, 0))
     if "user_content" in layout.extras:  # copied as bytes: user content may be any pickle, never loaded here
         file = os.path.join(stage_dir, fmt.USER_CONTENT)
@@ -130,7 +129,7 @@ def reshard(layout: CheckpointLayout, out: str, tp: int, pp: int, rdp: int = 1, 
         records.append(commit.FileRecord(fmt.USER_CONTENT, os.path.getsize(file), commit.file_digest(file), 0))
     saved = {"world_size": tp * pp * rdp, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "rdp": rdp,
              "optimizer_saved": optim is not None, "optimizer_sharded": optim is not None and layout.optimizer_sharded}
-    commit.seal(out, entry, stage_dir, records, saved, tag, SMP2DS_CHECKPOINT_VERSION, None)
+    commit.seal(out, entry, stage_dir, records, saved, tag, fmt.SMP2DS_CHECKPOINT_VERSION, None)
     return sorted(r.name for r in records)
 
 

@@ -5,7 +5,7 @@ One backend per kind of DeepSpeed engine it drives: plain (``data_parallel``: DD
 MiCS shard groups (``mics``) and the pipeline engine (``pipeline``), each with or without a model that
 tensor parallelism sharded (``tensor_parallel.parallelize``, handed over as a
 :class:`~smp2ds.engine.core.tensor_parallel_view.TensorParallelView`), built by
-:mod:`smp2ds.engine.core.backend_factory` as the Plan says. Backends share code through functions
+:mod:`smp2ds.engine.api.backend_factory` as the Plan says. Backends share code through functions
 (:mod:`smp2ds.engine.core.deepspeed_optimizer`), and the core asks a
 backend what it can do through the capability flags below instead of reading the configuration.
 The core never probes a backend with ``getattr``: every member below exists on every backend, which

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import re
 
+SMP2DS_CHECKPOINT_VERSION = "1.15.0"
+"""The ``smp_version`` smp2ds writes into a checkpoint's configuration and manifest (the SMP layout it follows)."""
+
 PARTIAL_SUFFIX = "_partial"
 NEWEST = "newest"
 USER_CONTENT = "user_content.pt"

@@ -51,8 +51,8 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.api.optimizer import DistributedOptimizer
 from smp2ds.engine.core.object_collectives import allgather
-from smp2ds.engine.core.optimizer import DistributedOptimizer
 from smp2ds.engine.core.ranks import CommGroup
 from smp2ds.engine.core.state import state
 from smp2ds.engine.integrations.class_repair_hook import ClassRepair, install

@@ -95,7 +95,7 @@ def test_mics_with_tensor_parallelism_refuses_a_group_that_joins_batches():
 def test_an_unmarked_model_is_not_looked_at_by_the_transformer_replacement():
     # a fresh interpreter: other tests import the replacement module
     code = ("import sys, torch\n"
-            "from smp2ds.engine.core.backend_factory import prepare_module\n"
+            "from smp2ds.engine.api.backend_factory import prepare_module\n"
             "from smp2ds.engine.nn.parallel import marks\n"
             "plain = torch.nn.Sequential(torch.nn.Linear(2, 2))\n"
             "assert prepare_module(plain) is plain\n"

@@ -13,9 +13,9 @@ from collections import namedtuple
 import pytest
 import torch
 
+from smp2ds.engine.api.step import StepFunction
 from smp2ds.engine.core import device_placement as placement
 from smp2ds.engine.core.microbatch_split import split_value
-from smp2ds.engine.core.step import StepFunction
 from smp2ds.engine.core.step_output import StepOutput
 from smp2ds.engine.exceptions import SMPInvalidArgumentError
 

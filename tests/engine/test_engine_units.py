@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from smp2ds.engine.api.init import merged_config
 from smp2ds.engine.core import deepspeed_config as dsc
 from smp2ds.engine.core import model_io
-from smp2ds.engine.core.init import merged_config
 from smp2ds.engine.core.launch_env import LaunchEnvError, detect
 from smp2ds.translator.issues import SMPConfigError
 

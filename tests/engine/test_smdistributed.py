@@ -14,7 +14,7 @@ def test_import_paths_clients_use():
     import smdistributed.modelparallel.backend.exceptions as backend_exc
     import smdistributed.modelparallel.torch as smp
     import smdistributed.modelparallel.torch.exceptions as torch_exc
-    from smp2ds.engine.core.step import StepFunction
+    from smp2ds.engine.api.step import StepFunction
 
     assert version.parse(mp.__version__) >= version.parse("1.10") and mp.__version__.startswith("1.")
     assert smp.model.DistributedModel is smp.DistributedModel

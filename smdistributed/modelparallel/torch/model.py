@@ -1,5 +1,5 @@
 """``smp.model`` (transformers checks ``isinstance(x, smp.model.DistributedModel)``)."""
 
-from smp2ds.engine.core.model import DistributedModel
+from smp2ds.engine.api.model import DistributedModel
 
 __all__ = ["DistributedModel"]

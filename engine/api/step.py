@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.api.torch_compile import ensure_compiled
 from smp2ds.engine.core.device_placement import arguments_to_device
 from smp2ds.engine.core.microbatch_split import Piece, check_spec, positional_names, split_named
 from smp2ds.engine.core.state import state
 from smp2ds.engine.core.step_output import collect
-from smp2ds.engine.core.torch_compile import ensure_compiled
 from smp2ds.engine.diagnostics import step_log
 from smp2ds.engine.exceptions import MissingDistributedModelError
 

@@ -22,17 +22,16 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.api.pretrained_save import to_hf_names
 from smp2ds.engine.core import checkpoint_commit as commit
 from smp2ds.engine.core import checkpoint_format as names
 from smp2ds.engine.core import checkpoint_verify, safe_load
 from smp2ds.engine.core import object_collectives as collectives
-from smp2ds.engine.core.pretrained_save import to_hf_names
 from smp2ds.engine.core.ranks import CommGroup
 from smp2ds.engine.core.save_load import atomic_torch_save, fsync_dir
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import IncompatibleCheckpointFoundError, SMPCheckpointError
 
-SMP2DS_CHECKPOINT_VERSION = "1.15.0"
 _STRICT_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree", "shard_optimizer_state",
                 "sharded_data_parallel_degree")
 
@@ -106,14 +105,14 @@ def _save_partial(path: str, tag: str, nonce: str, model: Any, optimizer: Any, u
     if rank == 0:
         if user_content is not None:
             records.append(commit.write_file(user_content, stage, names.USER_CONTENT, rank))
-        config = {**state.cfg.get_config_dict(), "smp_version": SMP2DS_CHECKPOINT_VERSION}
+        config = {**state.cfg.get_config_dict(), "smp_version": names.SMP2DS_CHECKPOINT_VERSION}
         records.append(commit.write_file(config, stage, names.SMP_CONFIG, rank))
     commit.fault_point("files_written", rank)
     fsync_dir(stage)
     everyone = collectives.allgather(records, CommGroup.WORLD)
     if rank == 0:
         commit.seal(path, entry, stage, [r for part in everyone for r in part],
-                    _layout(optimizer is not None, sharded), tag, SMP2DS_CHECKPOINT_VERSION, keep)
+                    _layout(optimizer is not None, sharded), tag, names.SMP2DS_CHECKPOINT_VERSION, keep)
 
 
 def _save_full(path: str, tag: str, model: Any, optimizer: Any, user_content: Any, translate_if_full: bool) -> None:

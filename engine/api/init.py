@@ -22,8 +22,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from smp2ds.engine.core import comm, launch_env, torch_compile
-from smp2ds.engine.core.backend_factory import prepare_groups
+from smp2ds.engine.api import torch_compile
+from smp2ds.engine.api.backend_factory import prepare_groups
+from smp2ds.engine.core import comm, launch_env
 from smp2ds.engine.core.process_groups import create_groups
 from smp2ds.engine.core.state import ConfigView, state
 from smp2ds.engine.core.version_check import installed_deepspeed, require_deepspeed

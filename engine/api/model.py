@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from smp2ds.engine.core import checkpoint_format, device_placement, model_io, pretrained_save, wrapper_views
+from smp2ds.engine.api import pretrained_save, wrapper_views
+from smp2ds.engine.api.backend_factory import make_backend, parameter_roles, prepare_module
+from smp2ds.engine.core import checkpoint_format, device_placement, model_io
 from smp2ds.engine.core.backend import Backend
-from smp2ds.engine.core.backend_factory import make_backend, parameter_roles, prepare_module
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import (
     BwdExecutionNotInStepFnError,
@@ -309,7 +310,7 @@ class DistributedModel(torch.nn.Module):
 
     def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
         """The gathered model in Hugging Face's format and names, written by rank 0 (collective; see
-        :mod:`smp2ds.engine.core.pretrained_save`)."""
+        :mod:`smp2ds.engine.api.pretrained_save`)."""
         pretrained_save.save_pretrained(self, save_directory, **kwargs)
 
     # ---- parameters and modules (delegate to the wrapped module, as SMP did) ----------------------
