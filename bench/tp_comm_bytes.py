@@ -28,7 +28,7 @@ import tempfile
 
 import torch.multiprocessing as mp
 
-from smp2ds.translator.tp_traffic import tensor_parallel_traffic
+from smp2ds.translator.tools.tp_traffic import tensor_parallel_traffic
 
 
 def _worker(rank: int, args: argparse.Namespace, prescaled: bool, rdv: str, out: str) -> None:

@@ -541,3 +541,14 @@ def test_process_groups_are_created_in_one_module():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "new_group":
                 callers.add(path.relative_to(ROOT).as_posix())
     assert callers == {"engine/core/comm.py", "engine/core/process_groups.py"}
+
+
+def test_the_pure_configuration_path_imports_no_tool_and_no_cli(graph):
+    """``translator/`` (load, validate, normalize, plan and their parts) stands alone: the tools
+    (``translator/tools/``) and the CLI (``translator/cli/``) build on it, never the other way."""
+    _, imports = graph
+    upward = [f"{source} imports {i.target}" for source, listed in imports.items()
+              if source.startswith("smp2ds.translator")
+              and not source.startswith(("smp2ds.translator.tools", "smp2ds.translator.cli"))
+              for i in listed if i.target.startswith(("smp2ds.translator.tools", "smp2ds.translator.cli"))]
+    assert upward == []

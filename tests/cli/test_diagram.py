@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from smp2ds.translator.diagram import rank_grid, schedule_timeline, stage_order
 from smp2ds.translator.normalize import normalize
 from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.planner import plan
+from smp2ds.translator.tools.diagram import rank_grid, schedule_timeline, stage_order
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from smp2ds.translator import doctor as rules
+from smp2ds.translator.tools import doctor as rules
 
 ROOT = Path(__file__).resolve().parents[2]
 

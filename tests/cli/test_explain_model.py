@@ -106,7 +106,7 @@ def test_tensor_parallel_traffic_for_the_model_config(tmp_path, capsys):
 def test_tensor_parallel_traffic_refuses_sizes_that_do_not_fit():
     import pytest
 
-    from smp2ds.translator.tp_traffic import tensor_parallel_traffic
+    from smp2ds.translator.tools.tp_traffic import tensor_parallel_traffic
 
     args = dict(tp=2, layers=2, hidden=64, seq_len=32, batch_per_rank=6, microbatches=4, bytes_per_element=4,
                 prescaled_batch=True)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from smp2ds.schemas import load_schema
-from smp2ds.translator import docs_reference
+from smp2ds.translator.tools import docs_reference
 from smp2ds.translator.keymap import KEYMAP_V1, KEYMAP_V2
 from tests.docs.pages import ROOT
 
-STALE = "docs/configuration.md is stale: run `python -m smp2ds.translator.docs_reference --write` and commit it"
+STALE = "docs/configuration.md is stale: run `python -m smp2ds.translator.tools.docs_reference --write` and commit it"
 
 
 def test_committed_page_equals_the_generated_one():

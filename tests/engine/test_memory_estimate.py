@@ -22,7 +22,7 @@ from smp2ds.engine.memory.measure import LiveTensorBytes
 from smp2ds.engine.memory.model_source import hf_inputs
 from smp2ds.engine.memory.model_states import model_states
 from smp2ds.engine.memory.step_trace import trace_step
-from smp2ds.translator.device_memory import device_bytes
+from smp2ds.translator.tools.device_memory import device_bytes
 
 GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_embd": 64, "n_head": 4,
         "vocab_size": 1000, "n_positions": 128, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}

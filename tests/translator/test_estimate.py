@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from smp2ds.translator.estimate import estimate
 from smp2ds.translator.normalize import normalize
 from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.planner import plan
+from smp2ds.translator.tools.estimate import estimate
 
 PSI = 1e9
 

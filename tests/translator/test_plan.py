@@ -372,7 +372,7 @@ def test_planning_imports_neither_torch_nor_deepspeed():
         "import sys\n"
         "from smp2ds.translator.normalize import normalize\n"
         "from smp2ds.translator.planner import plan\n"
-        "from smp2ds.translator.estimate import estimate\n"
+        "from smp2ds.translator.tools.estimate import estimate\n"
         "from smp2ds.translator.plan_types import Layout\n"
         "lay = Layout(world_size=8, gpus_per_node=4, batch_size=8)\n"
         "p = plan(normalize({'sharded_data_parallel_degree': 4, 'ddp': True, 'fp16': True}, lay), lay)\n"

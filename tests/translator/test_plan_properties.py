@@ -27,11 +27,11 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
 
 from smp2ds.schemas import load_schema  # noqa: E402
 from smp2ds.translator.ds_compat import check_deepspeed_config  # noqa: E402
-from smp2ds.translator.estimate import estimate  # noqa: E402
 from smp2ds.translator.issues import SMPConfigError  # noqa: E402
 from smp2ds.translator.normalize import normalize  # noqa: E402
 from smp2ds.translator.plan_types import Layout  # noqa: E402
 from smp2ds.translator.planner import plan  # noqa: E402
+from smp2ds.translator.tools.estimate import estimate  # noqa: E402
 
 # Keys whose values take part in cross-key rules; the generator sets them consistently.
 CONSTRAINED = {

@@ -9,8 +9,8 @@ refuses to replace an existing file unless ``--overwrite`` is given (exit 2).
 ``--to torchrun|deepspeed-launcher|mpirun`` prints the job's launch as a shell script (hostfile,
 node and process counts, the SageMaker environment; ``launch_script``); ``--to accelerate``
 needs ``-o OUT.yaml`` and writes OUT.yaml plus the DeepSpeed JSON it points at
-(``accelerate_config``). ``--to slurm`` writes an sbatch script (``translator.slurm``) and ``--to kubernetes`` a
-Kubeflow ``PyTorchJob`` manifest (``translator.kubernetes``), both starting torchrun with the same SageMaker
+(``accelerate_config``). ``--to slurm`` writes an sbatch script (``translator.tools.slurm``) and ``--to kubernetes`` a
+Kubeflow ``PyTorchJob`` manifest (``translator.tools.kubernetes``), both starting torchrun with the same SageMaker
 environment as ``--to torchrun``.
 """
 
@@ -21,15 +21,15 @@ import os
 import sys
 from typing import Any
 
-from smp2ds.translator.cluster_job import cluster_job
 from smp2ds.translator.issues import Issue, SMPConfigError
-from smp2ds.translator.kubernetes import check_job_name, pytorchjob, render_manifest
-from smp2ds.translator.kubernetes import job_name as k8s_name
 from smp2ds.translator.load import load_document
 from smp2ds.translator.normalize import normalize
 from smp2ds.translator.planner import plan
-from smp2ds.translator.sagemaker_paths import map_paths
-from smp2ds.translator.slurm import check_sbatch_options, job_name, render_sbatch, slurm_spec
+from smp2ds.translator.tools.cluster_job import cluster_job
+from smp2ds.translator.tools.kubernetes import check_job_name, pytorchjob, render_manifest
+from smp2ds.translator.tools.kubernetes import job_name as k8s_name
+from smp2ds.translator.tools.sagemaker_paths import map_paths
+from smp2ds.translator.tools.slurm import check_sbatch_options, job_name, render_sbatch, slurm_spec
 
 from . import (
     EXIT_OK,

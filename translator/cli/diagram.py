@@ -1,4 +1,4 @@
-"""Render ``smp2ds.translator.diagram``'s rank grid and pipeline timeline with matplotlib.
+"""Render ``smp2ds.translator.tools.diagram``'s rank grid and pipeline timeline with matplotlib.
 
 matplotlib is the optional ``plot`` extra: `require_matplotlib` turns its absence into a usage
 error (exit 2) that says how to install it. Only ``matplotlib.figure.Figure`` is used (no pyplot),
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..diagram import RankGrid, Timeline
+from ..tools.diagram import RankGrid, Timeline
 from . import UsageError
 
 SUFFIXES = (".svg", ".png")

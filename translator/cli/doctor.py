@@ -2,7 +2,7 @@
 
 Reads facts without importing torch or DeepSpeed and without building anything (versions from
 package metadata, GPUs from ``nvidia-smi``, DeepSpeed's ops from its install record and the torch
-extensions cache), then judges them with ``smp2ds.translator.doctor``. Exit 0 when nothing is a
+extensions cache), then judges them with ``smp2ds.translator.tools.doctor``. Exit 0 when nothing is a
 problem, 1 with one line per problem and its fix.
 """
 
@@ -25,7 +25,7 @@ from smp2ds.translator.normalize import normalize
 from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.planner import plan
 
-from .. import doctor as rules
+from ..tools import doctor as rules
 from . import add_format_arg, command_parser, positive_int, write_stdout
 
 _NCCL_DISTS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")

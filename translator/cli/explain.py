@@ -5,7 +5,7 @@ engine backend the planner chose (the one ``smp.DistributedModel`` builds) and r
 configurations that set ``tensor_parallel_degree`` the fate of each distributed-transformer
 setting scripts pass to ``smp.model_creation`` (``translator/transformer_options.py``), then the
 per-rank model-state memory and the communication volume per optimizer step computed by
-``smp2ds.translator.estimate.estimate`` for ``--params`` parameters.
+``smp2ds.translator.tools.estimate.estimate`` for ``--params`` parameters.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import os
 import re
 from typing import Any
 
-from smp2ds.translator import diagram as data
-from smp2ds.translator.estimate import estimate
 from smp2ds.translator.load import load_document
 from smp2ds.translator.normalize import normalize
 from smp2ds.translator.planner import plan
-from smp2ds.translator.tp_traffic import tensor_parallel_traffic
+from smp2ds.translator.tools import diagram as data
+from smp2ds.translator.tools.estimate import estimate
+from smp2ds.translator.tools.tp_traffic import tensor_parallel_traffic
 
 from .. import transformer_options
 from ..smp2ds_settings import given_settings

@@ -7,7 +7,7 @@ them) and the script runs under the deepspeed launcher, torchrun or mpirun, as a
 whose exit code becomes ours. Without GPUs (no ``nvidia-smi``) the ranks run on the CPU with
 gloo (``DS_ACCELERATOR=cpu``) and a notice says so. ``--dry-run`` prints instead of running.
 Inside a Slurm allocation the node count, this node's rank, the master's address and the processes
-per node default to what the ``SLURM_*`` variables say (``smp2ds.translator.slurm_env``).
+per node default to what the ``SLURM_*`` variables say (``smp2ds.translator.tools.slurm_env``).
 
 This module parses the flags, builds a `LaunchSpec`, runs it and reports; the environment and
 the command line come from ``smp2ds.translator.launcher`` (shared with the plan's launcher
@@ -33,7 +33,7 @@ from smp2ds.translator.load import load_document
 from smp2ds.translator.normalize import normalize
 from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.planner import plan
-from smp2ds.translator.slurm_env import SlurmEnvError, in_allocation, launch_defaults
+from smp2ds.translator.tools.slurm_env import SlurmEnvError, in_allocation, launch_defaults
 
 from . import EXIT_OK, UsageError, command_parser, positive_int, write_stdout
 

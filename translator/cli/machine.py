@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
-from smp2ds.translator.device_memory import MIB, device_bytes
 from smp2ds.translator.issues import InputError
+from smp2ds.translator.tools.device_memory import MIB, device_bytes
 
 _LAUNCHER_MODULES = {"deepspeed": "deepspeed.launcher.runner", "torchrun": "torch.distributed.run"}
 

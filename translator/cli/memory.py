@@ -4,7 +4,7 @@
 fake tensors, plus DeepSpeed's model states by formula) and, with ``--gpu-memory``, the verdict. ``--fit`` searches
 the layouts the world size allows (pipeline and tensor-parallel degrees, micro-batches, optimizer-state sharding:
 ZeRO-1 or sharded data parallelism, activation checkpointing), keeps those whose largest role fits, ranks them
-by the bytes each rank sends per step (``smp2ds.translator.estimate`` for the data-parallel traffic,
+by the bytes each rank sends per step (``smp2ds.translator.tools.estimate`` for the data-parallel traffic,
 ``tp_traffic`` for tensor parallelism's) and prints the SMP parameters to paste. Both import torch and
 transformers; nothing else in the CLI does.
 """
@@ -55,7 +55,7 @@ def device_from_flag(text: str | None) -> tuple[int, str] | None:
     if text is None:
         return None
     # only the memory flags need the device table
-    from smp2ds.translator.device_memory import device_bytes
+    from smp2ds.translator.tools.device_memory import device_bytes
 
     try:
         return device_bytes(text)
@@ -235,8 +235,8 @@ def _candidate_params(given: Mapping[str, Any], world: int, batch: int) -> Itera
 def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) -> dict[str, Any]:
     """Layouts of this world size that fit ``--fit``'s device, best first."""
     # the traffic model and the planner serve --fit alone
-    from smp2ds.translator.estimate import estimate as traffic
     from smp2ds.translator.normalize import normalize  # as above
+    from smp2ds.translator.tools.estimate import estimate as traffic  # as above
 
     if not args.model:
         raise UsageError("--fit needs --model (a config.json, a model directory or module:function)")
@@ -276,10 +276,10 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
 
 
 def _tensor_parallel_bytes(model_config: Mapping[str, Any], plan: Any, batch: int, seq: int) -> float:
-    """Bytes a rank sends per step for tensor parallelism's all-reduces (``translator/tp_traffic.py``), for a
+    """Bytes a rank sends per step for tensor parallelism's all-reduces (``translator/tools/tp_traffic.py``), for a
     Hugging Face config that names its layer count and hidden size; 0 without tensor parallelism."""
     # the tensor-parallel traffic model serves --fit alone
-    from smp2ds.translator.tp_traffic import tensor_parallel_traffic
+    from smp2ds.translator.tools.tp_traffic import tensor_parallel_traffic
 
     tp = int(plan.topology["tensor_parallel_degree"])
     layers = next((model_config[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in model_config), None)

@@ -2,7 +2,7 @@
 
 One row per layout with the per-rank model-state memory and the bytes each rank sends per
 optimizer step, split by link: inside a node (NVLink / shared memory) and across nodes (the
-network). Every figure comes from ``smp2ds.translator.estimate`` (docs/internals.md#cost-model),
+network). Every figure comes from ``smp2ds.translator.tools.estimate`` (docs/internals.md#cost-model),
 the same formulas the benches compare their measured traffic with; nothing is computed here
 except the in-node share, which is each scheme's traffic minus its cross-node traffic.
 """
@@ -80,6 +80,6 @@ def render_scale_text(summary: Mapping[str, Any], source: str) -> str:
     notes = (
         "model states: Adam, 16 bytes per parameter before sharding; activations excluded. Traffic: ring "
         "collectives of the data-parallel schemes per optimizer step; cross-node counts every collective whose "
-        "group spans nodes. Formulas: smp2ds.translator.estimate."
+        "group spans nodes. Formulas: smp2ds.translator.tools.estimate."
     )
     return f"{head}\n{table(columns, rows)}{notes}\n"

@@ -20,8 +20,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from smp2ds.translator.cluster_job import free_of
 from smp2ds.translator.launcher import shell_name
+from smp2ds.translator.tools.cluster_job import free_of
 
 API_VERSION = "kubeflow.org/v1"
 OPERATOR_PORT = 23456

@@ -16,8 +16,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from smp2ds.translator.cluster_job import free_of
 from smp2ds.translator.launcher import shell_name
+from smp2ds.translator.tools.cluster_job import free_of
 
 RDZV_PORT = 29400
 """torchrun's own default port for a c10d rendezvous endpoint; ``$RDZV_PORT`` overrides it at submission."""

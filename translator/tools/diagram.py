@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .topology import Topology
+from ..topology import Topology
 
 MAX_DRAWN_RANKS = 128
 """Above this many ranks a grid of labelled boxes is no longer readable: a larger layout is drawn condensed, its

@@ -23,7 +23,7 @@ def cluster_job(launcher: Mapping[str, Any], entry_point: str | None, paths: Map
     (the argv after ``torchrun``: the entry point and its arguments), ``ddp_port`` (SMP's, or None) and
     ``mapped_dirs`` (the local folders SageMaker's model, output data and checkpoint paths became)."""
     from smp2ds.translator.cli.launch_script import launch_spec
-    from smp2ds.translator.sagemaker_paths import map_paths
+    from smp2ds.translator.tools.sagemaker_paths import map_paths
 
     spec = launch_spec(launcher, "torchrun", entry_point)
     env, command = spec["env"], spec["command"]

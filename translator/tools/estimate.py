@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .plan_types import Layout, Plan, SMPConfig
-from .topology import Topology
+from ..plan_types import Layout, Plan, SMPConfig
+from ..topology import Topology
 
 BYTES_PER_PARAM_STATES = 16
 
@@ -44,7 +44,7 @@ def estimate(
     if n_params <= 0:
         raise ValueError(f"n_params must be positive, got {n_params!r}")
     if isinstance(plan_or_config, SMPConfig):
-        from .planner import plan as make_plan  # deferred: the planner imports many modules
+        from ..planner import plan as make_plan  # deferred: the planner imports many modules
 
         plan_or_config = make_plan(plan_or_config, layout)
     topo_dict = plan_or_config.topology
