@@ -2,7 +2,7 @@
 
 A plain ``transformers.Trainer`` with plain ``TrainingArguments`` works unchanged: importing
 ``smdistributed.modelparallel.torch`` (transformers does it when the environment says SMP)
-installs the repairs transformers' SMP code path needs (`hf_trainer_repairs`).
+installs the repairs transformers' SMP code path needs (`smp2ds.engine.api.hf_trainer_repairs`).
 
 ``SMPTrainer`` and ``SMPCPUTrainingArguments`` are the names earlier smp2ds releases asked
 scripts to use; they are now the stock classes, kept so those scripts keep running.
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from transformers import Trainer, TrainingArguments
 
-from smp2ds.engine.integrations.hf_trainer_repairs import install_transformers_repairs
-
-__all__ = ["SMPCPUTrainingArguments", "SMPTrainer", "install_transformers_repairs"]
+__all__ = ["SMPCPUTrainingArguments", "SMPTrainer"]
 
 SMPTrainer = Trainer
 SMPCPUTrainingArguments = TrainingArguments

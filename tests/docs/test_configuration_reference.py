@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from smp2ds.schemas import load_schema
-from smp2ds.translator.tools import docs_reference
 from smp2ds.translator.keymap import KEYMAP_V1, KEYMAP_V2
+from smp2ds.translator.tools import docs_reference
 from tests.docs.pages import ROOT
 
 STALE = "docs/configuration.md is stale: run `python -m smp2ds.translator.tools.docs_reference --write` and commit it"

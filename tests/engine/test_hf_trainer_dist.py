@@ -7,7 +7,7 @@ The environment says "SageMaker model parallel" exactly as SageMaker would
 ``smp.DistributedModel``, trains through ``trainer_pt_utils.smp_forward_backward`` and saves
 through ``smp.save``. The workers use the stock ``Trainer`` and ``TrainingArguments`` (without
 ``use_cpu``: the machine has no CUDA); importing ``smdistributed`` installed the repairs
-transformers' SMP path needs (``smp2ds.engine.integrations.hf_trainer_repairs``). The script-level
+transformers' SMP path needs (``smp2ds.engine.api.hf_trainer_repairs``). The script-level
 test of the same path (``use_cpu=True``, torchrun) is ``tests/scripts/test_hf_trainer_scripts.py``.
 
 Every run is compared with a single-process plain-PyTorch reference that consumes the same
@@ -335,7 +335,11 @@ def test_fp16_path_clips_master_grads_and_schedules_the_inner_optimizer(tmp_path
     r = results[0]
     assert r["fp16"] and r["param_dtype"] == "torch.float16"
     _assert_same_on_every_rank(results)
-    np.testing.assert_allclose([h["learning_rate"] for h in r["logs"]], ref["lrs"], rtol=1e-6)
+    from smp2ds.engine.integrations.transformers_compat import trainer_logs_step_learning_rate
+
+    # releases before about 4.51 log the rate after the scheduler stepped: the next step's (training is the same)
+    want_lrs = ref["lrs"] if trainer_logs_step_learning_rate() else [*ref["lrs"][1:], 0.0]
+    np.testing.assert_allclose([h["learning_rate"] for h in r["logs"]], want_lrs, rtol=1e-6)
     np.testing.assert_allclose([h["grad_norm"] for h in r["logs"]], ref["norms"], rtol=1e-3)
     moved = sum(float(((ref["weights"][k] - ref["initial"][k]) ** 2).sum()) for k in ref["weights"])
     error = sum(float(((r["weights"][k] - ref["weights"][k]) ** 2).sum()) for k in ref["weights"])
@@ -408,7 +412,7 @@ def test_clipping_under_smp_goes_through_clip_master_grads_and_refuses_other_nor
     clips the L2 norm only: another norm_type is refused by name rather than silently changed."""
     from types import SimpleNamespace
 
-    from smp2ds.engine.integrations.hf_trainer_repairs import _clip_through_optimizer
+    from smp2ds.engine.api.hf_trainer_repairs import _clip_through_optimizer
 
     calls = []
     trainer = SimpleNamespace(optimizer=SimpleNamespace(clip_master_grads=lambda max_norm: calls.append(max_norm) or 3.0))

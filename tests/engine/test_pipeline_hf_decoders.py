@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
-from smp2ds.engine.integrations.transformers_compat import is_transformers_5
+from smp2ds.engine.integrations.transformers_compat import has_masking_utils, is_transformers_5
 from smp2ds.engine.pipeline import UnsupportedModelError, build_layer_list
 from smp2ds.engine.pipeline.families import hf_decoder
 from smp2ds.engine.pipeline.families.probe import run_layers
@@ -68,6 +68,8 @@ def make_decoder(family: str, seed: int = 0, **overrides) -> nn.Module:
     import transformers
 
     model_cls, config_cls, extra = FAMILIES[family]
+    if not hasattr(transformers, model_cls):  # families newer than the oldest supported release
+        pytest.skip(f"transformers {transformers.__version__} has no {model_cls}")
     fields = {**_COMMON, **extra, **overrides}
     torch.manual_seed(seed)
     return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields))
@@ -121,8 +123,9 @@ def test_layer_names_follow_the_module_tree_and_tied_heads_share_one_key():
     ends = [falcon.layers[0].entry, falcon.layers[-1].entry]
     assert all(isinstance(e, TiedLayerSpec) for e in ends) and ends[0].key == ends[1].key
     qwen2 = build_layer_list(make_decoder("qwen2"))
-    assert [layer.entry.attention_type for layer in qwen2.layers[1:5]] == [
-        "full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    if has_masking_utils():  # before it, the base model's own mask applies the window (one mask for all blocks)
+        assert [layer.entry.attention_type for layer in qwen2.layers[1:5]] == [
+            "full_attention", "full_attention", "sliding_attention", "sliding_attention"]
     assert not any(isinstance(layer.entry, TiedLayerSpec) for layer in qwen2.layers)
     granite = build_layer_list(make_decoder("granite"))  # the forward's scalings: a layer, and the head's ops
     assert granite.names[:2] == ["model.embed_tokens", "model.embed_tokens.scale"]
@@ -217,6 +220,8 @@ def test_a_meta_device_model_is_cut_without_running_it():
     import transformers
 
     model_cls, config_cls, extra = FAMILIES["qwen3"]
+    if not hasattr(transformers, model_cls):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_cls}")
     with torch.device("meta"):
         model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**_COMMON, **extra}))
     assert build_layer_list(model).names[-1] == "lm_head"

@@ -1,12 +1,13 @@
 """`smp2ds.engine.integrations.transformers_compat` on the installed transformers (CI's dependency job
-runs this file at 4.57.6, 5.17.0 and the newest 5.x):
+runs this file at the floor 4.41.0, 4.50.3, 4.57.6, 5.17.0 and the newest 5.x):
 
 * rotary settings written the installed release's way (4.57: GPT-NeoX's ``rotary_emb_base`` /
   ``rotary_pct``; 5.x: ``rope_parameters``) reach Hugging Face's model, are read back by
   `rope_parameters`, and a GPT-NeoX with a non-default base and rotary share replaced by SMP's
   distributed transformer gives Hugging Face's logits, loss and gradients (before, 4.57's
   ``rotary_emb_base`` was ignored and the replacement rotated with base 10000);
-* a release older than the declared floor is refused by name, and that floor is pyproject.toml's.
+* a release older than the declared floor is refused by name in one line (also by ``import
+  smdistributed.modelparallel.torch``), and that floor is pyproject.toml's.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def test_rotary_settings_reach_the_hf_model_and_are_read_back() -> None:
     rope = compat.rope_parameters(model.config)
     assert (rope["rope_type"], rope["rope_theta"], rope["partial_rotary_factor"]) == ("default", THETA, SHARE)
     # Hugging Face's own rotary embedding: head size 8, half of it rotated -> 2 frequencies of base 500
-    inv_freq = model.gpt_neox.rotary_emb.inv_freq
+    # the base model's rotary embedding (4.45 on), or each attention layer's (4.44)
+    rotary = getattr(model.gpt_neox, "rotary_emb", None) or model.gpt_neox.layers[0].attention.rotary_emb
+    inv_freq = rotary.inv_freq
     torch.testing.assert_close(inv_freq, 1.0 / THETA ** (torch.arange(0, 4, 2, dtype=torch.float) / 4))
 
 
@@ -63,12 +66,26 @@ def test_replaced_neox_with_non_default_rotary_gives_hf_logits_loss_and_gradient
                                           lambda sd: tr.translate_hf_state_dict_to_smdistributed_gptneox(sd, 4))
 
 
+REFUSAL = (r"^transformers==4\.40\.2 is not supported by smp2ds; allowed: transformers>=4\.41\.0 \(4\.x from 4\.41, "
+           r"and 5\.x\): pip install 'transformers>=4\.41\.0'$")
+
+
 def test_release_older_than_the_floor_is_refused_by_name(monkeypatch) -> None:
     compat.require_supported_transformers()  # the installed release is supported
-    monkeypatch.setattr(compat, "transformers_version", lambda: Version("4.56.2"))
-    with pytest.raises(SMPUnsupportedError, match=r"transformers==4\.56\.2 is not supported by smp2ds; "
-                                                  r"allowed: transformers>=4\.57\.1 "):
+    monkeypatch.setattr(compat, "transformers_version", lambda: Version("4.40.2"))
+    with pytest.raises(SMPUnsupportedError, match=REFUSAL):
         compat.require_supported_transformers()
+
+
+def test_import_of_smdistributed_refuses_a_release_older_than_the_floor_in_one_line(monkeypatch) -> None:
+    """``import smdistributed.modelparallel.torch`` installs the Trainer repairs, which first check the release:
+    below the floor it stops with one line naming the supported range (4.40 is the newest line refused)."""
+    from smp2ds.engine.api import hf_trainer_repairs
+
+    monkeypatch.setattr(compat, "transformers_version", lambda: Version("4.40.2"))
+    with pytest.raises(SMPUnsupportedError, match=REFUSAL) as err:
+        hf_trainer_repairs.install_transformers_repairs()
+    assert "\n" not in str(err.value)
 
 
 def test_declared_floor_is_the_one_pyproject_declares() -> None:

@@ -45,10 +45,12 @@ def hf_bert(seed: int) -> torch.nn.Module:
 def hf_neox(seed: int) -> torch.nn.Module:
     import transformers as tf
 
+    from smp2ds.engine.integrations.transformers_compat import rope_config_kwargs
+
     torch.manual_seed(seed)
     cfg = tf.GPTNeoXConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=4,
                            vocab_size=VOCAB, max_position_embeddings=16,
-                           rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5, "rope_type": "default"})
+                           **rope_config_kwargs("gpt_neox", 10000.0, 0.5))  # the installed release's spelling
     cfg._attn_implementation = "eager"
     return tf.GPTNeoXForCausalLM(cfg)
 

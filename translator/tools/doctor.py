@@ -45,7 +45,7 @@ TESTED: dict[str, Tested] = {
     # main suite ran on. A newer release is a warning, not a problem: it usually works.
     "torch": Tested("2.1", "2.13.0"),
     "deepspeed": Tested("0.19.7", "0.19.8"),
-    "transformers": Tested("4.57.1", "5.24.0"),
+    "transformers": Tested("4.41.0", "5.24.0"),
     "accelerate": Tested("1.3", "1.15.0", required=False),
 }
 
@@ -72,7 +72,8 @@ def check_versions(installed: Mapping[str, str | None], tested: Mapping[str, Tes
             why = "" if rng.required else " (only the Hugging Face Trainer path needs it)"
             out.append(Finding(name, status, f"not installed{why}", pin if rng.required else ""))
         elif version_tuple(have) < version_tuple(rng.floor):
-            out.append(Finding(name, "problem", f"{have} is older than {rng.floor}, the oldest release we test",
+            out.append(Finding(name, "problem", f"{have} is older than {rng.floor}, the oldest release we test "
+                               f"(tested {rng.floor} .. {rng.newest})",
                                pin))
         elif version_tuple(have) > version_tuple(rng.newest):
             out.append(Finding(name, "warn", f"{have} is newer than {rng.newest}, the newest release we test "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from smp2ds.engine.integrations.transformers_compat import layer_hidden
@@ -27,7 +28,7 @@ from smp2ds.engine.pipeline.families.causal_lm import (
     tied_token_embedding,
 )
 from smp2ds.engine.pipeline.families.decoder_structure import NotADecoder
-from smp2ds.engine.pipeline.families.hf_common import causal_mask
+from smp2ds.engine.pipeline.families.hf_common import accepted, causal_mask
 from smp2ds.engine.pipeline.families.probe import check_equivalent
 from smp2ds.engine.pipeline.layers import LayerList, PipeLayer, UnsupportedModelError, tied
 
@@ -58,13 +59,17 @@ class Block(nn.Module):
         self.block = block
         self.config = config
         self.num_heads = base.num_heads
+        self._base = [base]  # a list: the base model is not registered as a submodule of this stage
 
     def forward(self, inputs: tuple) -> tuple:
         from transformers.models.bloom.modeling_bloom import build_alibi_tensor  # what BloomModel's method calls
 
         hidden, mask = inputs
         alibi = build_alibi_tensor(mask, self.num_heads, dtype=hidden.dtype)
-        out = self.block(hidden, alibi=alibi, attention_mask=causal_mask(self.config, hidden, mask), use_cache=False)
+        given = {"attention_mask": causal_mask(self.config, hidden, mask, owner=self._base[0]), "use_cache": False,
+                 # releases before 4.50 size the keys from the cache positions
+                 "cache_position": torch.arange(hidden.shape[1], device=hidden.device)}
+        out = self.block(hidden, alibi=alibi, **accepted(self.block, given))
         return layer_hidden(out), mask
 
 

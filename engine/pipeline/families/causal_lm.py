@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smp2ds.engine.integrations.transformers_compat import causal_lm_loss
 from smp2ds.engine.pipeline.families.hf_common import bind_call, check_call, finish, long_mask
 
 SUPPORTED_ARGS = ("input_ids", "attention_mask", "labels")
@@ -113,6 +114,5 @@ class CausalLMAdapter:
         check_call(self.model, bound, SUPPORTED_ARGS)
         loss = None
         if bound.get("labels") is not None:
-            loss = self.model.loss_function(logits=logits, labels=bound["labels"],
-                                            vocab_size=self.model.config.vocab_size)
+            loss = causal_lm_loss(self.model, logits, bound["labels"])
         return finish(self.output_class(loss=loss, logits=logits), bound, self.model.config)

@@ -34,7 +34,7 @@ _OUTSIDE_BLOCKS: dict[str, Any] = {
 _EMBEDDING_NORMALIZED = ("gemma", "gemma2")
 # Block arguments the layer wrapper supplies (anything else without a default is refused).
 _SUPPLIED = ("attention_mask", "position_ids", "position_embeddings", "alibi", "use_cache", "cache",
-             "past_key_values", "layer_past", "output_attentions")
+             "past_key_values", "layer_past", "output_attentions", "cache_position")
 
 
 class NotADecoder(Exception):

@@ -5,7 +5,8 @@ Layers: token embedding ``transformer.wte`` -> position embedding + dropout -> e
 ends are `TiedLayerSpec` entries with one key, so DeepSpeed keeps a copy on the first and the
 last stage, broadcasts it once and all-reduces its gradient between the two stages every step.
 Tensors between stages: ``(hidden_states, attention_mask)`` with an integer mask; the causal
-mask is rebuilt inside each block with transformers' own ``create_causal_mask``.
+mask is rebuilt inside each block with transformers' own ``create_causal_mask`` (on releases without
+``masking_utils``, the mask ``GPT2Model.forward`` builds there: `transformers_compat.legacy_causal_mask`).
 Loss (last stage, when ``labels`` are given): the model's own ``loss_function`` (shifted
 causal-LM cross entropy), exactly as ``GPT2LMHeadModel.forward`` computes it.
 """
@@ -25,7 +26,7 @@ from smp2ds.engine.pipeline.families.causal_lm import (
     tied_head,
     tied_token_embedding,
 )
-from smp2ds.engine.pipeline.families.hf_common import causal_mask, positions
+from smp2ds.engine.pipeline.families.hf_common import accepted, causal_mask, positions
 from smp2ds.engine.pipeline.layers import LayerList, PipeLayer, tied
 
 
@@ -49,16 +50,18 @@ class PositionEmbedding(nn.Module):
 class Block(nn.Module):
     """One ``GPT2Block`` with its causal mask built from the integer padding mask."""
 
-    def __init__(self, block: nn.Module, config: Any):
+    def __init__(self, block: nn.Module, config: Any, base: nn.Module):
         super().__init__()
         self.block = block
         self.config = config
+        self._base = [base]  # a list: the base model is not registered as a submodule of this stage
 
     def forward(self, inputs: tuple) -> tuple:
         hidden, mask = inputs
         pos = positions(hidden)
-        causal = causal_mask(self.config, hidden, mask, position_ids=pos)
-        out = self.block(hidden, attention_mask=causal, encoder_attention_mask=None, use_cache=False, position_ids=pos)
+        causal = causal_mask(self.config, hidden, mask, position_ids=pos, owner=self._base[0])
+        given = {"attention_mask": causal, "encoder_attention_mask": None, "use_cache": False, "position_ids": pos}
+        out = self.block(hidden, **accepted(self.block, given))
         return layer_hidden(out), mask
 
 
@@ -80,7 +83,7 @@ def build(model: nn.Module) -> LayerList:
         ),
     ]
     layers += [
-        PipeLayer(name=f"transformer.h.{i}", entry=Block(block, config), modules=(block,), owners=(block,))
+        PipeLayer(name=f"transformer.h.{i}", entry=Block(block, config, t), modules=(block,), owners=(block,))
         for i, block in enumerate(t.h)
     ]
     layers.append(PipeLayer(name="transformer.ln_f", entry=FinalNorm(t.ln_f), modules=(t.ln_f,), owners=(t.ln_f,)))

@@ -14,7 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp2ds.engine.integrations.transformers_compat import bidirectional_mask_builder
+from smp2ds.engine.integrations.transformers_compat import (
+    bidirectional_mask_builder,
+    has_masking_utils,
+    legacy_causal_mask,
+)
 from smp2ds.engine.pipeline.layers import UnsupportedModelError
 
 # Arguments that may be present as long as they ask for nothing the pipeline cannot give.
@@ -105,8 +109,15 @@ def _mask_call(builder: Callable[..., Any], config: Any, hidden: torch.Tensor, m
 
 
 def causal_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> Any:
-    """transformers' own causal attention mask for a cache-free forward (any supported release)."""
+                position_ids: torch.Tensor | None = None, owner: nn.Module | None = None) -> Any:
+    """transformers' own causal attention mask for a cache-free forward (any supported release).
+
+    ``owner``: the module whose forward builds the mask (the base model); releases without
+    ``masking_utils`` build it there (`legacy_causal_mask`).
+    """
+    if not has_masking_utils():
+        return legacy_causal_mask(owner, config, hidden, mask)
+    # lazy: masking_utils exists only on the releases checked above
     from transformers.masking_utils import create_causal_mask
 
     extra = {} if position_ids is None else {"position_ids": position_ids}
@@ -114,12 +125,39 @@ def causal_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor,
 
 
 def sliding_window_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor,
-                        position_ids: torch.Tensor | None = None) -> Any:
-    """transformers' own sliding-window causal mask (``config.sliding_window``) for a cache-free forward."""
+                        position_ids: torch.Tensor | None = None, owner: nn.Module | None = None) -> Any:
+    """transformers' own sliding-window causal mask (``config.sliding_window``) for a cache-free forward.
+
+    Releases without ``masking_utils`` apply the window where their model code does (Mistral-style
+    ``_update_causal_mask``, Gemma2's layers): the mask is then ``owner``'s own (`legacy_causal_mask`).
+    """
+    if not has_masking_utils():
+        return legacy_causal_mask(owner, config, hidden, mask)
+    # lazy: masking_utils exists only on the releases checked above
     from transformers.masking_utils import create_sliding_window_causal_mask
 
     extra = {} if position_ids is None else {"position_ids": position_ids}
     return _mask_call(create_sliding_window_causal_mask, config, hidden, mask, **extra)
+
+
+def accepted(module: nn.Module, given: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of ``given`` that ``module``'s forward takes by name: a block's signature differs between
+    transformers releases (GPT-2's takes ``position_ids`` only later). A class mixed in front with
+    ``forward(*args, **kwargs)`` (as tensor-parallel regions are) hides the names; they are read from the first
+    class in the MRO that names any (all of ``given`` when that forward also takes ``**kwargs``, or none names any).
+    """
+    var = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    for cls in type(module).__mro__:
+        forward = cls.__dict__.get("forward")
+        if cls is nn.Module or forward is None:
+            continue
+        params = list(inspect.signature(forward).parameters.values())[1:]  # without self
+        if any(p.kind not in var for p in params):
+            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+                return given
+            names = {p.name for p in params}
+            return {name: value for name, value in given.items() if name in names}
+    return given
 
 
 def bidirectional_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor) -> Any:

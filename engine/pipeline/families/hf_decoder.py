@@ -6,7 +6,8 @@ scaling or soft-capping, `decoder_structure.OutsideOps`) (a `TiedLayerSpec` pair
 by `decoder_structure.find_structure` from the module tree and the config, not from a per-family
 list. Tensors between stages: ``(hidden_states, attention_mask)``, the mask as integers. What the
 base model's ``forward`` prepares once before its block loop (position ids, the causal or
-sliding-window mask per ``config.layer_types`` from transformers' ``masking_utils``, the rotary
+sliding-window mask per ``config.layer_types`` from transformers' ``masking_utils`` or, on releases
+without it, the base model's own mask builder (`transformers_compat.legacy_causal_mask`), the rotary
 cos/sin) is rebuilt on each stage from those two tensors, once per micro-batch (`StageInputs`):
 the rotary embedding is a float tensor without gradient, which DeepSpeed's pipeline cannot send
 between stages, and recomputing it is cheap.
@@ -62,8 +63,9 @@ class StageInputs:
     tensor object, so the values are built by the stage's first block and reused by the rest.
     """
 
-    def __init__(self, config: Any, kinds: frozenset[str]):
+    def __init__(self, config: Any, kinds: frozenset[str], base: nn.Module):
         self.config, self.kinds = config, kinds
+        self.base = base  # builds the masks on releases without masking_utils
         self._key: tuple | None = None
         self._value: tuple | None = None
 
@@ -74,7 +76,8 @@ class StageInputs:
             return self._value
         pos = positions(hidden)
         builders = {"full_attention": causal_mask, "sliding_attention": sliding_window_mask}
-        masks = {kind: builders[kind](self.config, hidden, mask, position_ids=pos) for kind in self.kinds}
+        masks = {kind: builders[kind](self.config, hidden, mask, position_ids=pos, owner=self.base)
+                 for kind in self.kinds}
         rope = None if rotary is None else rotary(hidden, position_ids=pos)
         self._key, self._value = key, (pos, masks, rope)  # holding the mask keeps its id from being reused
         return self._value
@@ -120,7 +123,9 @@ class Block(nn.Module):
         pos, masks, rope = self.shared.get(hidden, mask, self.rotary_emb)
         given = {"attention_mask": masks[self.attention_type], "position_ids": pos, "position_embeddings": rope,
                  "alibi": None, "use_cache": False, "cache": None, "past_key_values": None, "layer_past": None,
-                 "output_attentions": False}
+                 "output_attentions": False,
+                 # the positions a cache-free forward passes (Gemma2's blocks before 4.53 size their window by it)
+                 "cache_position": pos[0]}
         out = self.block(hidden, **{k: v for k, v in given.items() if k in self.args})
         return layer_hidden(out), mask
 
@@ -140,7 +145,7 @@ def layer_list(model: nn.Module, parts: DecoderStructure) -> LayerList:
     if parts.dropout is not None:
         drop = EmbeddingDropout(parts.dropout)
         layers.append(PipeLayer(name=f"{base}.{parts.dropout_name}", entry=drop, modules=(drop,), owners=(embed,)))
-    shared = StageInputs(model.config, frozenset(parts.attention_types))
+    shared = StageInputs(model.config, frozenset(parts.attention_types), parts.base)
     layers += [
         PipeLayer(name=f"{base}.{parts.blocks_name}.{i}",
                   entry=Block(block, parts.rotary, parts.attention_types[i], shared, parts.block_args),

@@ -29,7 +29,7 @@ from smp2ds.engine.pipeline.families.causal_lm import (
     tied_token_embedding,
 )
 from smp2ds.engine.pipeline.families.decoder_structure import NotADecoder
-from smp2ds.engine.pipeline.families.hf_common import causal_mask
+from smp2ds.engine.pipeline.families.hf_common import accepted, causal_mask
 from smp2ds.engine.pipeline.families.probe import check_equivalent
 from smp2ds.engine.pipeline.layers import LayerList, PipeLayer, UnsupportedModelError, tied
 
@@ -55,7 +55,9 @@ class Positions(nn.Module):
 
     def forward(self, inputs: tuple) -> tuple:
         embeds, mask = inputs
-        pos_embeds = self.embed_positions(mask, 0, position_ids=opt_positions(mask))
+        # releases before 4.50 compute the same position ids inside the embedding (no position_ids argument)
+        position_ids = accepted(self.embed_positions, {"position_ids": opt_positions(mask)})
+        pos_embeds = self.embed_positions(mask, 0, **position_ids)
         if self.project_in is not None:
             embeds = self.project_in(embeds)
         return embeds + pos_embeds.to(embeds.device), mask
@@ -64,15 +66,17 @@ class Positions(nn.Module):
 class Block(nn.Module):
     """One ``OPTDecoderLayer`` with its causal mask and position ids rebuilt from the integer padding mask."""
 
-    def __init__(self, block: nn.Module, config: Any):
+    def __init__(self, block: nn.Module, config: Any, decoder: nn.Module):
         super().__init__()
         self.block = block
         self.config = config
+        self._decoder = [decoder]  # a list: the decoder is not registered as a submodule of this stage
 
     def forward(self, inputs: tuple) -> tuple:
         hidden, mask = inputs
-        causal = causal_mask(self.config, hidden, mask)
-        out = self.block(hidden, attention_mask=causal, position_ids=opt_positions(mask), use_cache=False)
+        causal = causal_mask(self.config, hidden, mask, owner=self._decoder[0])
+        given = {"attention_mask": causal, "position_ids": opt_positions(mask), "use_cache": False}
+        out = self.block(hidden, **accepted(self.block, given))
         return layer_hidden(out), mask
 
 
@@ -111,7 +115,7 @@ def layer_list(model: nn.Module) -> LayerList:
         PipeLayer(name="model.decoder.embed_positions", entry=pos, modules=(pos,),
                   owners=_present(decoder.embed_positions, decoder.project_in)),
     ]
-    layers += [PipeLayer(name=f"model.decoder.layers.{i}", entry=Block(block, config), modules=(block,),
+    layers += [PipeLayer(name=f"model.decoder.layers.{i}", entry=Block(block, config, decoder), modules=(block,),
                          owners=(block,)) for i, block in enumerate(decoder.layers)]
     finish = Finish(decoder.final_layer_norm, decoder.project_out)
     tail = _present(decoder.final_layer_norm, decoder.project_out)

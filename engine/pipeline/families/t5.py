@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from smp2ds.engine.integrations.transformers_compat import is_transformers_5, layer_hidden
+from smp2ds.engine.integrations.transformers_compat import is_transformers_5, layer_hidden, legacy_causal_mask
 from smp2ds.engine.pipeline.families.hf_common import _mask_call, bind_call, causal_mask, check_call, finish, long_mask
 from smp2ds.engine.pipeline.families.probe import PROBE_SHAPE, probe_batch, run_layers
 from smp2ds.engine.pipeline.layers import LayerList, PipeLayer, UnsupportedModelError, tied
@@ -77,9 +77,8 @@ class StackInputs:
             from transformers.masking_utils import create_bidirectional_mask
 
             return _mask_call(create_bidirectional_mask, self.config, hidden, mask)
-        if self.is_decoder:  # 4.57: the stack's own method, no cache
-            cache_position = torch.arange(hidden.shape[1], device=hidden.device)
-            return self.stack._update_causal_mask(mask, hidden, cache_position, None, False)
+        if self.is_decoder:  # 4.x: what the stack's own forward builds, no cache
+            return legacy_causal_mask(self.stack, self.config, hidden, mask)
         extended = mask[:, None, None, :].to(dtype=hidden.dtype)
         return (1.0 - extended) * torch.finfo(hidden.dtype).min
 

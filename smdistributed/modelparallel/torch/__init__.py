@@ -11,6 +11,6 @@ from smp2ds.engine import checkpoint, step  # noqa: F401  (the decorator / activ
 from . import amp, exceptions, model, nn  # noqa: F401
 
 # transformers imports this package for its SageMaker-model-parallel path: repair that path now.
-from smp2ds.engine.integrations import hf_trainer_repairs as _hf_trainer_repairs
+from smp2ds.engine.api import hf_trainer_repairs as _hf_trainer_repairs
 
 _hf_trainer_repairs.install_transformers_repairs()

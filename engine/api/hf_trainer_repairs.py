@@ -2,12 +2,14 @@
 
 With ``SM_HP_MP_PARAMETERS`` (containing ``partitions``) and ``SM_FRAMEWORK_PARAMS``
 (``sagemaker_mpi_enabled``) set, transformers imports ``smdistributed.modelparallel.torch``
-(smp2ds), calls ``smp.init()`` and takes its SMP path. On the supported releases (4.57 and 5.x
+(smp2ds), calls ``smp.init()`` and takes its SMP path. On the supported releases (4.41 to 5.x
 alike) that path fails or trains wrongly in several places; importing smp2ds's ``smdistributed``
 package installs the repairs below into ``TrainingArguments`` and ``Trainer`` (see
 `class_repair_hook` for when), so a plain ``Trainer`` script runs unchanged. Every repaired method
 defers to transformers' own when SMP is not enabled. An older transformers is refused by name
-(`transformers_compat.require_supported_transformers`) when these classes are defined.
+(`transformers_compat.require_supported_transformers`) on ``import smdistributed.modelparallel.torch`` and
+again when these classes are defined. The differences between supported releases (the cached property
+behind ``_setup_devices``) are `transformers_compat`'s.
 
 ``TrainingArguments``:
 
@@ -41,6 +43,9 @@ defers to transformers' own when SMP is not enabled. An older transformers is re
    ``prescaled_batch``), so predictions and labels hold each sample exactly
    once (accelerate would gather one copy per pipeline stage); the padding accelerate adds to the
    last batch is dropped as its ``gather_for_metrics`` does.
+6. Resuming on older releases (4.41, 4.44): their ``_load_rng_state`` loads numpy's RNG state with a plain
+   ``torch.load``, which torch >= 2.6 refuses (``weights_only``); under SMP it runs with the numpy allowlist
+   later releases apply themselves (`transformers_compat.rng_checkpoint_globals`).
 """
 
 from __future__ import annotations
@@ -56,7 +61,11 @@ from smp2ds.engine.core.object_collectives import allgather
 from smp2ds.engine.core.ranks import CommGroup
 from smp2ds.engine.core.state import state
 from smp2ds.engine.integrations.class_repair_hook import ClassRepair, install
-from smp2ds.engine.integrations.transformers_compat import require_supported_transformers
+from smp2ds.engine.integrations.transformers_compat import (
+    cached_property_getter,
+    require_supported_transformers,
+    rng_checkpoint_globals,
+)
 
 __all__ = ["install_transformers_repairs"]
 
@@ -88,7 +97,7 @@ def repair_training_arguments(cls: type) -> None:
     require_supported_transformers()
     if not _mark_once(cls):
         return
-    stock = cls.__dict__["_setup_devices"].func
+    stock = cached_property_getter(cls.__dict__["_setup_devices"])
 
     def _setup_devices(self: Any) -> torch.device:
         if not _smp_enabled() or (torch.cuda.is_available() and not self.use_cpu):
@@ -214,7 +223,7 @@ def repair_trainer(cls: type) -> None:
         def _wrap_model(self: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             if _smp_enabled():
                 existing = state.model  # smp.state.model: the process's one DistributedModel
-                if existing is not None and (model is existing or model is existing.module):
+                if existing is not None and (model is existing or model is existing.get_module()):
                     return existing
             return original(self, model, *args, **kwargs)
         return _wrap_model
@@ -240,9 +249,18 @@ def repair_trainer(cls: type) -> None:
             return _shard_by_data_parallel_rank(self, loader) if _smp_enabled() else loader
         return get_dataloader
 
+    def rng_state_allowlisted(original: Any) -> Any:
+        def _load_rng_state(self: Any, checkpoint: Any) -> Any:
+            if not _smp_enabled():
+                return original(self, checkpoint)
+            with rng_checkpoint_globals():
+                return original(self, checkpoint)
+        return _load_rng_state
+
     _replace(cls, "create_accelerator_and_postprocess", after_accelerator)
     _replace(cls, "_wrap_model", wrap_once)
     _replace(cls, "create_scheduler", optimizer_before_scheduler)
+    _replace(cls, "_load_rng_state", rng_state_allowlisted)
     for name in ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader"):
         _replace(cls, name, data_parallel_shards)
 
@@ -255,5 +273,7 @@ REPAIRS = [
 
 def install_transformers_repairs() -> None:
     """Install the repairs into transformers' ``TrainingArguments`` and ``Trainer`` (now, or when
-    transformers defines them). Called by ``import smdistributed.modelparallel.torch``."""
+    transformers defines them). Called by ``import smdistributed.modelparallel.torch``, which therefore
+    refuses an installed transformers older than the supported floor, in one line naming the range."""
+    require_supported_transformers()
     install(REPAIRS)
