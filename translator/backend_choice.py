@@ -29,6 +29,21 @@ class BackendChoice:
     name: BackendName
     reason: str
 
+    @property
+    def pipeline(self) -> bool:
+        """DeepSpeed's pipeline engine runs the model (tensor parallelism inside its stages, if any)."""
+        return self.name == "pipeline"
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """The model is sharded over tensor-parallel groups before a data-parallel engine runs it."""
+        return self.name in ("tensor-parallel", "tensor-parallel+mics")
+
+    @property
+    def mics(self) -> bool:
+        """Parameters live in MiCS shard groups (ZeRO-3 inside them), not replicated."""
+        return self.name in ("mics", "tensor-parallel+mics")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

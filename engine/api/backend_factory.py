@@ -36,6 +36,7 @@ import torch
 
 from smp2ds.engine.core.backend import Backend
 from smp2ds.engine.core.launch_env import LaunchEnv
+from smp2ds.engine.core.parameter_sharding import ParameterSharding
 from smp2ds.engine.core.state import State
 from smp2ds.engine.core.tensor_parallel_view import TensorParallelView
 from smp2ds.engine.exceptions import SMPInvalidArgumentError
@@ -60,35 +61,38 @@ def make_backend(module: torch.nn.Module, state: State) -> Backend:
     state.require()
     plan, groups = state.plan, state.groups
     assert plan is not None and groups is not None  # smp.init sets both before `initialized`
-    name = plan.engine_settings.backend.name
+    choice = plan.engine_settings.backend
+    if choice.name not in BACKENDS:
+        raise SMPInvalidArgumentError(f"the Plan's /engine/backend/name is {choice.name!r}; this engine has the "
+                                      f"backends {', '.join(BACKENDS)} (was the Plan made by another smp2ds version?)")
     microbatches = plan.engine_settings.microbatches
-    if name == "pipeline":
+    # Composed from the choice's typed facts: which engine runs the model, whether the model is sharded
+    # over tensor-parallel groups first, and where the parameters live.
+    if choice.pipeline:
         from smp2ds.engine.pipeline.backend import PipelineBackend  # start-up: DeepSpeed's pipeline package
 
         return PipelineBackend(module, plan=plan, groups=groups, microbatches=microbatches,
                                tensor_parallel=_parallelize(module))
     from smp2ds.engine.data_parallel.backend import DataParallelBackend  # start-up: only when chosen
-    from smp2ds.engine.data_parallel.replicated import ReplicatedParameters  # start-up: with that backend
 
     plan_ds = dict(plan.deepspeed)
-    rdp = (groups.coords.rdp_rank, groups.topology.rdp)  # where ZeRO-1 partitions the optimizer state
-    if name in ("tensor-parallel+mics", "mics"):
+    sharding: ParameterSharding
+    if choice.mics:
         from smp2ds.engine.mics.born_partitioned import sharding_around  # start-up: only when chosen
         from smp2ds.engine.mics.sharding import MicsSharding  # start-up: only when chosen
 
         view = None
-        if name == "tensor-parallel+mics":
+        if choice.tensor_parallel:  # a model born partitioned is sharded block by block
             view = _parallelize(module, around=sharding_around(module, plan_ds, microbatches, state.mics_groups))
-        return DataParallelBackend(module, plan_ds, microbatches=microbatches,
-                                   sharding=MicsSharding(state.mics_groups, view))
-    if name == "tensor-parallel":
-        view = _parallelize(module)
-        sharding = ReplicatedParameters(rdp, mpu=view.deepspeed_mpu(groups), tensor_parallel=view)
-        return DataParallelBackend(module, plan_ds, microbatches=microbatches, sharding=sharding)
-    if name == "deepspeed-data-parallel":
-        return DataParallelBackend(module, plan_ds, microbatches=microbatches, sharding=ReplicatedParameters(rdp))
-    raise SMPInvalidArgumentError(f"the Plan's /engine/backend/name is {name!r}; this engine has the backends "
-                                  f"{', '.join(BACKENDS)} (was the Plan made by another smp2ds version?)")
+        sharding = MicsSharding(state.mics_groups, view)
+    else:
+        from smp2ds.engine.data_parallel.replicated import ReplicatedParameters  # start-up: with that backend
+
+        rdp = (groups.coords.rdp_rank, groups.topology.rdp)  # where ZeRO-1 partitions the optimizer state
+        view = _parallelize(module) if choice.tensor_parallel else None
+        sharding = ReplicatedParameters(rdp, mpu=view.deepspeed_mpu(groups) if view is not None else None,
+                                        tensor_parallel=view)
+    return DataParallelBackend(module, plan_ds, microbatches=microbatches, sharding=sharding)
 
 
 def _parallelize(module: torch.nn.Module, around: Any = None) -> TensorParallelView:

@@ -112,7 +112,6 @@ def convert_command(args: argparse.Namespace) -> int:
                          f"use them with --to {' / '.join(PATH_TARGETS)}, not --to {args.to}")
     _check_cluster_flags(args)
 
-
     from . import report
 
     layout = layout_from_args(args)

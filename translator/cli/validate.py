@@ -87,7 +87,6 @@ def _planned(doc: Any, layout: Any, args: argparse.Namespace) -> tuple[list[Any]
     which depend on the world, are not given."""
     from dataclasses import replace
 
-
     config = normalize(doc, layout)  # also re-checks the cross-key rules
     known = resolve_layout(config, layout).world_size is not None
     if not known:
