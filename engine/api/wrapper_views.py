@@ -58,6 +58,14 @@ class DataParallelWrapper(_Forwarding, DistributedDataParallel):
         torch.nn.Module.__init__(self)
         self.module = module
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A plain module's state: DDP's own ``__getstate__`` reads the process group this wrapper never had
+        (``copy.deepcopy`` of the model, or of ``model.module``, goes through here)."""
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        torch.nn.Module.__setstate__(self, state)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradients are reduced by the engine at the optimizer step (``backward_passes_per_step``), so there
