@@ -16,22 +16,23 @@ from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedErro
 from smp2ds.translator.smp2ds_settings import COMPILE_ENV, compile_requested
 
 
-def check_setting(backend_name: str) -> bool:
-    """Whether ``SMP2DS_COMPILE`` asks for compilation, checked at ``smp.init``: a value other than 0 or 1 and a
-    pipeline (the plan's backend ``backend_name``) are refused there, naming the variable."""
+def check_setting(pipeline: bool) -> bool:
+    """Whether ``SMP2DS_COMPILE`` asks for compilation, read once at ``smp.init`` (kept as
+    ``state.compile_model``): a value other than 0 or 1, and compilation with a ``pipeline``, are refused there,
+    naming the variable."""
     try:
         wanted = compile_requested(os.environ)
     except ValueError as err:
         raise SMPInvalidArgumentError(str(err)) from None
-    if wanted and backend_name == "pipeline":
+    if wanted and pipeline:
         raise SMPUnsupportedError(f"{COMPILE_ENV}=1 with pipeline_parallel_degree > 1: DeepSpeed's pipeline engine "
                                   f"runs the stages itself and is not compiled by smp2ds; unset {COMPILE_ENV}")
     return wanted
 
 
 def ensure_compiled(model: Any) -> None:
-    """Compile ``model``'s DeepSpeed engine once when ``SMP2DS_COMPILE=1`` (nothing otherwise)."""
-    if not check_setting(state.plan.engine_settings.backend.name):
+    """Compile ``model``'s DeepSpeed engine once when ``SMP2DS_COMPILE=1`` (nothing otherwise; called per step)."""
+    if not state.compile_model:
         return
     backend = model.backend
     backend.ensure_built()

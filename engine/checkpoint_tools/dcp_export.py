@@ -24,10 +24,11 @@ temporary name and renamed into place.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -56,6 +57,22 @@ def check_out_dir(out_dir: str, flag: str) -> None:
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise SMPInvalidArgumentError(f"{flag} {out_dir}: exists and is not an empty folder; choose another "
                                       "output folder (export never overwrites)")
+
+
+@contextlib.contextmanager
+def staged_output(out_dir: str) -> Iterator[str]:
+    """A staging folder beside ``out_dir`` to write into; renamed to ``out_dir`` when the block ends, removed
+    when it raises, so an export is whole or absent (``out_dir``: empty or missing, see `check_out_dir`)."""
+    staging = f"{out_dir.rstrip(os.sep)}.smp2ds-partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        yield staging
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty (checked before the export began)
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def optimizer_dict(optim: dict[str, Any]) -> dict[str, Any]:
@@ -90,18 +107,10 @@ def export(layout: CheckpointLayout, out_dir: str) -> list[str]:
     state: dict[str, Any] = {MODEL_KEY: model}
     if optim is not None:
         state[OPTIM_KEY] = optimizer_dict(optim)
-    staging = f"{out_dir.rstrip(os.sep)}.smp2ds-partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with staged_output(out_dir) as staging:
         writer = dcp.FileSystemWriter(staging, single_file_per_rank=True, thread_count=1)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp.save(state, storage_writer=writer, planner=_planner({k: producer(e) for k, e in by_key.items()}),
                      no_dist=True)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty (checked above)
-        os.replace(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return list(state)

@@ -26,14 +26,13 @@ The folder is written under a temporary name and renamed into place.
 from __future__ import annotations
 
 import os
-import shutil
 from importlib import metadata
 from typing import Any
 
 import torch
 
 from smp2ds.engine.checkpoint_tools import consolidate, optimizer_state
-from smp2ds.engine.checkpoint_tools.dcp_export import check_out_dir
+from smp2ds.engine.checkpoint_tools.dcp_export import check_out_dir, staged_output
 from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
 from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedError
 
@@ -78,9 +77,7 @@ def export(layout: CheckpointLayout, out_dir: str) -> list[str]:
     step = _step(optim, layout.directory)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optim["param_groups"]]
     tag = (layout.tag or "smp2ds").replace(os.sep, "_")
-    staging = f"{out_dir.rstrip(os.sep)}.smp2ds-partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with staged_output(out_dir) as staging:
         zero = os.path.join(staging, tag, "zero")
         for key, tensor in consolidate.iter_tensors(entries, reader):
             folder = os.path.join(zero, key)
@@ -101,10 +98,4 @@ def export(layout: CheckpointLayout, out_dir: str) -> list[str]:
             _save(counters, os.path.join(staging, tag, name))
         with open(os.path.join(staging, "latest_universal"), "w") as handle:
             handle.write(tag)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty (checked above)
-        os.replace(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return ["latest_universal", tag]

@@ -94,6 +94,8 @@ class State:
         self.groups: ProcessGroups | None = None
         self.backend_name: str | None = None
         self.watchdog: Any = None
+        self.compile_model = False
+        """``SMP2DS_COMPILE=1``, as ``smp.init`` read it: DeepSpeed's ``engine.compile()`` before the first step."""
         self.mics_groups: Any = None
         self.reset()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -174,6 +175,32 @@ def run_training(config: dict, phases: list[dict], b: int) -> list[dict]:
     return plain(results)
 
 
+def poisoned_steps(smp: Any, model: Any, opt: Any, b: int, steps: int, inject_at: int,
+                   before: Callable[[], dict] = dict, after: Callable[[], dict] = dict) -> list[dict]:
+    """``steps`` MSE steps on each rank's rows; at ``inject_at`` only rank 1's loss is multiplied by inf (its
+    gradients become inf/nan). Per step: the loss, whether the weights changed, and what ``before`` (read before
+    the step) and ``after`` (read after it) add."""
+
+    @smp.step(non_split_inputs=["poison"])
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor, poison: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss * poison)
+        return loss
+
+    record = []
+    for step in range(steps):
+        x, y = rank_batch(step, smp.dp_size(), b, smp.dp_rank())
+        poison = torch.tensor(math.inf if (step == inject_at and smp.rank() == 1) else 1.0)
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        seen = before()
+        opt.zero_grad()
+        loss = train_step(model, x, y, poison).reduce_mean()
+        opt.step()
+        changed = not all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+        record.append({"loss": loss.item(), "changed": changed, **seen, **after()})
+    return record
+
+
 def run_fp16_overflow(config: dict, b: int, steps: int, inject_at: int) -> dict:
     """fp16 through DeepSpeed's loss scaler: an injected inf skips the step and halves the scale."""
     import smdistributed.modelparallel.torch as smp
@@ -185,26 +212,11 @@ def run_fp16_overflow(config: dict, b: int, steps: int, inject_at: int) -> dict:
                                    dynamic_loss_args={"init_scale": 2.0 ** 10, "scale_window": 1000,
                                                       "min_scale": 1, "delayed_shift": 1})
 
-    @smp.step(non_split_inputs=["poison"])
-    def train_step(model, x, y, poison):
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss * poison)
-        return loss
-
-    record = []
-    for step in range(steps):
-        x, y = rank_batch(step, smp.dp_size(), b, smp.dp_rank())
-        # Only rank 1 overflows: the step must still be skipped on every rank.
-        poison = torch.tensor(math.inf if (step == inject_at and smp.rank() == 1) else 1.0)
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        scale_before = opt.loss_scale
-        opt.zero_grad()
-        loss = train_step(model, x, y, poison).reduce_mean()
-        opt.step()
-        changed = not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-        record.append({"loss": loss.item(), "overflow": opt.overflow, "changed": changed,
-                       "scale_before": scale_before, "scale_after": opt.loss_scale,
-                       "dtype": str(next(model.parameters()).dtype)})
+    # Only rank 1 overflows: the step must still be skipped on every rank.
+    record = poisoned_steps(smp, model, opt, b, steps, inject_at,
+                            before=lambda: {"scale_before": opt.loss_scale},
+                            after=lambda: {"overflow": opt.overflow, "scale_after": opt.loss_scale,
+                                           "dtype": str(next(model.parameters()).dtype)})
     smp.barrier()
     return plain({"record": record, "weights": model.state_dict()})
 
