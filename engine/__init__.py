@@ -75,6 +75,7 @@ from smp2ds.engine.core.ranks import (
     tp_size,
 )
 from smp2ds.engine.core.state import state
+from smp2ds.engine.nn.parallel import context as parallel_context
 from smp2ds.engine.core.step_output import StepOutput
 from smp2ds.engine.api.step import step  # rebinds the name `step` from the submodule to the decorator
 from smp2ds.engine.core.activation_checkpointing import (
@@ -90,8 +91,10 @@ MP_GROUP = CommGroup.MP_GROUP
 
 
 def reset() -> None:
-    """Forget the current model/optimizer so another ``DistributedModel`` can be created (SMP's ``smp.reset``)."""
+    """Forget the current model/optimizer so another ``DistributedModel`` can be created (SMP's ``smp.reset``); the
+    tensor-parallel random streams start again from ``tensor_parallel_seed``."""
     state.reset()
+    state.rng_manager = parallel_context.restart_streams().tp.rng
 
 
 __all__ = [

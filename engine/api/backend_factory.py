@@ -48,8 +48,10 @@ if TYPE_CHECKING:  # the MiCS package is imported only when sharded data paralle
 
 # DistributedModel's is_distributed_* / is_scaled_batch_* queries read tensor parallelism's marks
 # (false everywhere when nothing is marked); a light module (torch only), so imported at once.
+from smp2ds.engine.nn.parallel import context as parallel_context
 from smp2ds.engine.nn.parallel import introspect as parameter_roles
 from smp2ds.engine.nn.parallel import marks
+from smp2ds.engine.nn.parallel.context import ParallelContext
 from smp2ds.translator.backend_choice import BACKENDS
 
 __all__ = ["make_backend", "parameter_roles", "prepare_groups", "prepare_module"]
@@ -72,7 +74,7 @@ def make_backend(module: torch.nn.Module, state: State) -> Backend:
         from smp2ds.engine.pipeline.backend import PipelineBackend  # start-up: DeepSpeed's pipeline package
 
         return PipelineBackend(module, plan=plan, groups=groups, microbatches=microbatches,
-                               tensor_parallel=_parallelize(module))
+                               tensor_parallel=_parallelize(module, parallel_context.installed()))
     from smp2ds.engine.data_parallel.backend import DataParallelBackend  # start-up: only when chosen
 
     plan_ds = dict(plan.deepspeed)
@@ -83,34 +85,36 @@ def make_backend(module: torch.nn.Module, state: State) -> Backend:
 
         view = None
         if choice.tensor_parallel:  # a model born partitioned is sharded block by block
-            view = _parallelize(module, around=sharding_around(module, plan_ds, microbatches, state.mics_groups))
+            view = _parallelize(module, parallel_context.installed(),
+                                around=sharding_around(module, plan_ds, microbatches, state.mics_groups))
         sharding = MicsSharding(state.mics_groups, view)
     else:
         from smp2ds.engine.data_parallel.replicated import ReplicatedParameters  # start-up: with that backend
 
         rdp = (groups.coords.rdp_rank, groups.topology.rdp)  # where ZeRO-1 partitions the optimizer state
-        view = _parallelize(module) if choice.tensor_parallel else None
+        view = _parallelize(module, parallel_context.installed()) if choice.tensor_parallel else None
         sharding = ReplicatedParameters(rdp, mpu=view.deepspeed_mpu(groups) if view is not None else None,
                                         tensor_parallel=view)
     return DataParallelBackend(module, plan_ds, microbatches=microbatches, sharding=sharding)
 
 
-def _parallelize(module: torch.nn.Module, around: Any = None) -> TensorParallelView:
-    """The tensor-parallel package's one entry: ``module`` sharded over this rank's group (nothing at degree 1)."""
+def _parallelize(module: torch.nn.Module, context: ParallelContext, around: Any = None) -> TensorParallelView:
+    """The tensor-parallel package's one entry: ``module`` sharded over ``context``'s group (nothing at degree 1)."""
     from smp2ds.engine.tensor_parallel.parallelize import parallelize  # start-up: only when a backend is built
 
-    return parallelize(module, around=around)
+    return parallelize(module, context, around=around)
 
 
-def prepare_module(module: torch.nn.Module) -> torch.nn.Module:
+def prepare_module(module: torch.nn.Module, context: ParallelContext) -> torch.nn.Module:
     """SMP's distributed transformer replaces marked Hugging Face models (any tp degree) before the
-    backend is built; unmarked modules come back unchanged, without loading the replacement at all."""
+    backend is built, in ``context``; unmarked modules come back unchanged, without loading the replacement at
+    all."""
     if all(marks.mark_of(m) is None for m in module.modules()):
         return module  # plain models (DDP, sdp, pipelines without smp.tensor_parallelism) have no mark
     # start-up: the replacement reads transformers' model classes
     from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 
-    return replace_marked(module)
+    return replace_marked(module, context)
 
 
 def prepare_groups(plan: Plan, topology: Topology, launch: LaunchEnv) -> MicsGroups | None:

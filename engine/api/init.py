@@ -32,6 +32,7 @@ from smp2ds.engine.diagnostics import failure_report as faults
 from smp2ds.engine.diagnostics import step_log
 from smp2ds.engine.diagnostics.watchdog import Watchdog, timeout_from_env
 from smp2ds.engine.exceptions import SMPUnsupportedError
+from smp2ds.engine.nn.parallel import context as parallel_context
 from smp2ds.translator import normalize
 from smp2ds.translator.issues import Issue, SMPConfigError
 from smp2ds.translator.plan_types import Layout, Plan, SMPConfig
@@ -191,6 +192,10 @@ def _finish(cfg: SMPConfig, plan: Plan, launch: launch_env.LaunchEnv, backend: s
     comm.init_deepspeed(backend)
     topology = _topology(plan, launch)
     state.groups = create_groups(topology, launch.rank)
+    # what smp.nn's building blocks are built in: the tensor-parallel group with its stream, the pipeline degree
+    context = parallel_context.from_groups(state.groups, plan.engine_settings.tensor_parallel)
+    parallel_context.install(context)
+    state.rng_manager = context.tp.rng
     state.mics_groups = prepare_groups(plan, topology, launch)
     state.config, state.plan, state.launch, state.backend_name = cfg, plan, launch, backend
     state.cfg = ConfigView(cfg, plan)
@@ -259,6 +264,7 @@ def shutdown() -> None:
         wd.stop(wait_for_peers=hosts_store, before_done=destroy)
     else:
         destroy()
+    parallel_context.forget()
     state.initialized = False
 
 

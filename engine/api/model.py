@@ -29,6 +29,7 @@ from smp2ds.engine.exceptions import (
     SMPInvalidArgumentError,
     SMPUnsupportedError,
 )
+from smp2ds.engine.nn.parallel import context as parallel_context
 
 _NO_EFFECT = {
     "trace_execution_times": (False, "tracing only serves automatic pipeline partitioning"),
@@ -96,7 +97,8 @@ class DistributedModel(torch.nn.Module):
         if "overlapping_allreduce" in kwargs and not isinstance(kwargs["overlapping_allreduce"], bool):
             raise SMPInvalidArgumentError("overlapping_allreduce must be a bool")
         super().__init__()
-        module = prepare_module(module)  # SMP's distributed transformer replaces marked models (any tp degree)
+        # SMP's distributed transformer replaces marked models (any tp degree)
+        module = prepare_module(module, parallel_context.installed())
         self.add_module("module", module)  # the `module` property returns SMP's wrapper chain
         settings = state.plan.engine_settings
         object.__setattr__(self, "_wrapper_view", wrapper_views.wrapper_chain(

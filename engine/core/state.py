@@ -97,6 +97,8 @@ class State:
         self.compile_model = False
         """``SMP2DS_COMPILE=1``, as ``smp.init`` read it: DeepSpeed's ``engine.compile()`` before the first step."""
         self.mics_groups: Any = None
+        self.rng_manager: Any = None
+        """SMP's ``smp.state.rng_manager``: the tensor-parallel group's random stream (``smp.init``, ``smp.reset``)."""
         self.reset()
 
     def reset(self) -> None:
@@ -109,7 +111,6 @@ class State:
         self.module_manager = ModuleManager()
         self.pending_model_load: Any = None
         self.pending_optimizer_load: Any = None
-        self.rng_manager: Any = None
 
     # ---- convenience ---------------------------------------------------------------------
     @property

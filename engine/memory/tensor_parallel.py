@@ -9,9 +9,9 @@ the group runs (the ranks hold equal shapes), all-gathered batches and all-reduc
 Covered: the families whose blocks the engine shards in place (GPT-2, LLaMA, Mistral, BERT, RoBERTa,
 GPT-NeoX, GPT-J, GPT-Neo, ...: ``tensor_parallel.families.RULES``), and every other model through the
 replacement of its ``nn.Linear`` / ``nn.Embedding`` layers by ``smp.nn.DistributedLinear`` /
-``DistributedEmbedding`` (Qwen2, Falcon, ...). Those modules take their group from the running ``smp.init``
-(``nn.parallel.group.current``); while the model is cut here that answers the fake group, and the random
-streams their fresh weights and regions start are dropped with the fake group.
+``DistributedEmbedding`` (Qwen2, Falcon, ...). The cut runs in a parallel context of its own around the fake
+group (:mod:`smp2ds.engine.nn.parallel.context`), with its own random stream: the process's context and
+stream are not touched.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from typing import Any
-from unittest import mock
+from unittest import mock  # nn.Module.to only, for fake parameters (below)
 
 import torch
 from torch import nn
 
-from smp2ds.engine.core.state import state
-from smp2ds.engine.nn.parallel import group as tp_group
+from smp2ds.engine.nn.parallel.context import ParallelContext
 from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.nn.parallel.marks import set_tensor_parallelism
 from smp2ds.engine.tensor_parallel import registry
@@ -41,11 +40,9 @@ def fake_group(size: int) -> Iterator[object]:
         raise ValueError("the memory estimate under tensor parallelism runs in a process without "
                          "torch.distributed (its collectives are faked)")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
-    rng = state.rng_manager  # the smp.nn modules' fresh weights and regions start one; the estimate leaves none
     try:
         yield dist.group.WORLD
     finally:
-        state.rng_manager = rng
         dist.destroy_process_group()
 
 
@@ -66,9 +63,8 @@ def shard(model: nn.Module, handle: object, size: int, prescaled_batch: bool) ->
             return module
         return original_to(module, *args, **kwargs)
 
-    # smp.nn modules read their group from smp.init's state: here, the fake one
-    with mock.patch.object(tp_group, "current", return_value=group), mock.patch.object(nn.Module, "to", same_place_to):
-        report = registry.apply(model, group)
+    with mock.patch.object(nn.Module, "to", same_place_to):
+        report = registry.apply(model, ParallelContext(tp=group))
     if not report.sharded_blocks and not report.replaced:
         raise ValueError(f"tensor parallelism cuts nothing of {type(model).__name__}: no block the engine shards in "
                          "place and no nn.Linear / nn.Embedding it replaces")

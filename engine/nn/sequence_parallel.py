@@ -17,6 +17,8 @@ Replicated parameters used on split tokens (layer norms, the biases of row-paral
 only this rank's tokens: :func:`replicated` sums their gradients over the group. Dropout on split
 tokens draws this rank's own masks (:func:`dropout`): a seed taken from the group's stream (the same
 on every rank, and restored by checkpoint recomputation) plus the rank.
+
+Every function takes the module's tensor-parallel group (``module.tp``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
-from smp2ds.engine.nn.parallel import group as tp_group
 from smp2ds.engine.nn.parallel.collectives import copy_to_tp, join_sequence, scatter_sequence
+from smp2ds.engine.nn.parallel.group import TPGroup
 
 _SPLIT = "_smp2ds_sequence_split"
 
@@ -41,18 +43,16 @@ def mark(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def enabled() -> bool:
-    """True when the running configuration asks for the memory layout with tensor parallelism."""
-    tp = tp_group.current()
+def enabled(tp: TPGroup) -> bool:
+    """True when ``tp`` asks for the memory layout with tensor parallelism."""
     return tp.size > 1 and tp.optimize == "memory"
 
 
-def enter(hidden: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def enter(hidden: torch.Tensor, tp: TPGroup) -> tuple[torch.Tensor, bool]:
     """Hidden states as the module body runs on them, and whether this call split them (it then joins
     its output with :func:`leave`). Split states pass through; whole ones are split when enabled."""
-    if is_split(hidden) or not enabled():
+    if is_split(hidden) or not enabled(tp):
         return hidden, False
-    tp = tp_group.current()
     seq = hidden.shape[1]
     if seq % tp.size:
         raise SMPUnsupportedError(
@@ -62,27 +62,27 @@ def enter(hidden: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return mark(scatter_sequence(hidden, tp)), True
 
 
-def leave(out: torch.Tensor, entered: bool) -> torch.Tensor:
+def leave(out: torch.Tensor, entered: bool, tp: TPGroup) -> torch.Tensor:
     """The module's output: joined whole when this call split the input, else marked as split."""
     if entered:
-        return join_sequence(out, tp_group.current())
-    return mark(out) if is_split(out) or enabled() else out
+        return join_sequence(out, tp)
+    return mark(out) if is_split(out) or enabled(tp) else out
 
 
-def replicated(param: torch.Tensor | None, split: bool) -> torch.Tensor | None:
+def replicated(param: torch.Tensor | None, split: bool, tp: TPGroup) -> torch.Tensor | None:
     """A replicated parameter as used on split tokens: its gradient is summed over the group."""
     if param is None or not split:
         return param
-    return copy_to_tp(param, tp_group.current())
+    return copy_to_tp(param, tp)
 
 
-def dropout(module: torch.nn.Dropout, x: torch.Tensor, split: bool) -> torch.Tensor:
+def dropout(module: torch.nn.Dropout, x: torch.Tensor, split: bool, tp: TPGroup) -> torch.Tensor:
     """``module(x)``; on split tokens each rank draws the masks of its own tokens."""
     if not split or not module.training or module.p == 0.0:
         return module(x)
     if module.p == 1.0:
         return torch.zeros_like(x)
     seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))  # the group's stream: same on every rank
-    gen = torch.Generator(device=x.device).manual_seed(seed + tp_group.current().rank)
+    gen = torch.Generator(device=x.device).manual_seed(seed + tp.rank)
     keep = torch.rand(x.shape, generator=gen, device=x.device) >= module.p
     return x.masked_fill(~keep, 0.0) * (1.0 / (1.0 - module.p))

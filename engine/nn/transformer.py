@@ -33,7 +33,7 @@ from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn import sequence_parallel as seq
 from smp2ds.engine.nn import transformer_options as opts
 from smp2ds.engine.nn import vocab_head
-from smp2ds.engine.nn.parallel import group as tp_group
+from smp2ds.engine.nn.parallel.context import ParallelContext, resolve
 from smp2ds.engine.nn.transformer_layers import (
     DistributedLayerNorm,
     DistributedTransformerLayer,
@@ -51,8 +51,11 @@ class DistributedTransformer(RegionModule):
                  hidden_dropout_prob: float = 0.1, activation: str = "gelu", layernorm_epsilon: float = 1e-5,
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
-                 pre_layernorm: bool = False, post_layernorm: bool = True, **extras: Any):
+                 pre_layernorm: bool = False, post_layernorm: bool = True, *,
+                 parallel_context: ParallelContext | None = None, **extras: Any):
         super().__init__()
+        context = resolve(parallel_context)
+        self.tp = context.tp
         options = opts.parse("DistributedTransformer", extras)
         opts.check_attention_layers("DistributedTransformer", options, num_layers)
         layer_extras = {k: v for k, v in extras.items() if k != "layer_idx"}
@@ -60,7 +63,8 @@ class DistributedTransformer(RegionModule):
             DistributedTransformerLayer(
                 num_attention_heads, attention_head_size, hidden_size, intermediate_size, attention_dropout_prob,
                 hidden_dropout_prob, activation, layernorm_epsilon, initializer_range, use_normal_initialization,
-                causal_mask_size, add_cross_attention, pre_layernorm, post_layernorm, layer_idx=i, **layer_extras)
+                causal_mask_size, add_cross_attention, pre_layernorm, post_layernorm, parallel_context=context,
+                layer_idx=i, **layer_extras)
             for i in range(num_layers)))
         # a pre-layernorm stack ends un-normalised: SMP closes it with one more layer norm
         self.layernorm = DistributedLayerNorm(hidden_size, eps=layernorm_epsilon) \
@@ -73,11 +77,11 @@ class DistributedTransformer(RegionModule):
         return self._region(self._forward, *inputs)
 
     def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden, entered = seq.enter(hidden)
+        hidden, entered = seq.enter(hidden, self.tp)
         hidden, mask = self.seq_layers((hidden, mask))
         if self.layernorm is not None:
-            hidden = norm(self.layernorm, hidden, seq.is_split(hidden))
-        return seq.leave(hidden, entered), mask
+            hidden = norm(self.layernorm, hidden, self.tp if seq.is_split(hidden) else None)
+        return seq.leave(hidden, entered, self.tp), mask
 
 
 class DistributedTransformerLMHead(RegionModule):
@@ -89,14 +93,16 @@ class DistributedTransformerLMHead(RegionModule):
                  activation: str = "gelu", layernorm_epsilon: float = 1e-5, num_token_types: int = 0,
                  causal_mask_size: int | None = None, add_cross_attention: bool = False, add_lm_head: bool = True,
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
-                 pre_layernorm: bool = False, post_layernorm: bool = True, **extras: Any):
+                 pre_layernorm: bool = False, post_layernorm: bool = True, *,
+                 parallel_context: ParallelContext | None = None, **extras: Any):
         super().__init__()
+        context = resolve(parallel_context)
+        self.tp = tp = context.tp
         distribute_embedding = bool(extras.pop("distribute_embedding", False))
         self.options = o = opts.parse("DistributedTransformerLMHead", extras)
         opts.check_no_cross_attention("DistributedTransformerLMHead", add_cross_attention)
         self.causal_mask_size, self.add_lm_head, self.vocab_size = causal_mask_size, add_lm_head, vocab_size
-        tp = tp_group.current()
-        gen = init_generator(tp.size)
+        gen = init_generator(tp)
 
         def embedding(rows: int) -> torch.nn.Embedding:
             emb = torch.nn.Embedding(rows, hidden_size)
@@ -113,7 +119,7 @@ class DistributedTransformerLMHead(RegionModule):
             num_layers, num_attention_heads, attention_head_size, hidden_size, intermediate_size,
             attention_dropout_prob, hidden_dropout_prob, activation, layernorm_epsilon, initializer_range,
             use_normal_initialization, causal_mask_size, add_cross_attention, pre_layernorm, post_layernorm,
-            **layer_extras)
+            parallel_context=context, **layer_extras)
         self.lm_head = None
         if add_lm_head and not o.tie_input_output_embedding:
             self.lm_head = torch.nn.Linear(hidden_size, vocab_size, bias=False)

@@ -1,7 +1,9 @@
 """SMP's distributed transformer layers: ``DistributedLayerNorm``, ``DistributedAttentionLayer``,
 ``DistributedTransformerOutputLayer`` and ``DistributedTransformerLayer`` (sizes are global).
 
-Megatron-style tensor parallelism over the current tensor-parallel group (:mod:`group`):
+Megatron-style tensor parallelism over the tensor-parallel group of the module's parallel context
+(``parallel_context=``, else the active one: :mod:`smp2ds.engine.nn.parallel.context`), kept as ``.tp`` and
+handed to the sub-layers:
 
 * attention: ``query`` / ``key`` / ``value`` column-parallel (each rank holds ``heads/tp`` whole
   heads), ``dense`` row-parallel (partial products summed, bias added once);
@@ -33,14 +35,15 @@ from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn import flash_attention as fa
 from smp2ds.engine.nn import sequence_parallel as seq
 from smp2ds.engine.nn import transformer_options as opts
-from smp2ds.engine.nn.parallel import group as tp_group
-from smp2ds.engine.nn.parallel import marks, rng
+from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.nn.parallel.collectives import (
     copy_to_tp,
     gather_sequence_linear,
     reduce_from_tp,
     reduce_scatter_sequence,
 )
+from smp2ds.engine.nn.parallel.context import ParallelContext, resolve
+from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.nn.parallel.modules import DistributedModule
 from smp2ds.engine.nn.parallel.region import mark_scaled_batch, run_region
 from smp2ds.engine.nn.parallel.shards import ShardSpec, shard_parameter
@@ -61,9 +64,9 @@ class ParallelDense(torch.nn.Module):
     (keeping only its own for backward); a row layer hands back this rank's tokens of the summed output."""
 
     def __init__(self, in_features: int, out_features: int, mode: str, bias: bool, std: float,
-                 gen: torch.Generator | None):
+                 gen: torch.Generator | None, tp: TPGroup):
         super().__init__()
-        self.mode, self.tp = mode, tp_group.current()
+        self.mode, self.tp = mode, tp
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features).normal_(0.0, std, generator=gen))
         self.bias = torch.nn.Parameter(torch.zeros(out_features)) if bias else None
         if self.tp.size > 1:
@@ -83,26 +86,26 @@ class ParallelDense(torch.nn.Module):
             return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
         if sequence_split:
             y = reduce_scatter_sequence(F.linear(x, self.weight), self.tp)
-            return y if self.bias is None else y + seq.replicated(self.bias, True)
+            return y if self.bias is None else y + seq.replicated(self.bias, True, self.tp)
         y = reduce_from_tp(F.linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
 
 
-def init_generator(tp_size: int) -> torch.Generator | None:
-    """The shared stream for fresh weights when tp > 1 (every rank draws the same tensors)."""
-    return rng.manager().init_generator() if tp_size > 1 else None
+def init_generator(tp: TPGroup) -> torch.Generator | None:
+    """The group's stream for fresh weights when tp > 1 (every rank draws the same tensors)."""
+    return tp.rng.init_generator() if tp.size > 1 else None
 
 
 class RegionModule(DistributedModule):
-    """A distributed transformer module: a tensor-parallel region unless built inside another."""
+    """A distributed transformer module: a tensor-parallel region over ``.tp`` unless built inside another."""
 
     _inner = False
+    tp: TPGroup
 
     def _region(self, fn: Callable[..., Any], *args: Any) -> Any:
-        tp = tp_group.current()
-        if tp.size == 1 or self._inner:
+        if self.tp.size == 1 or self._inner:
             return fn(*args)
-        return run_region(tp, fn, args, {})
+        return run_region(self.tp, fn, args, {})
 
     def _adopt(self) -> None:
         """Mark every distributed submodule as running inside this one's region, and keep the
@@ -112,7 +115,7 @@ class RegionModule(DistributedModule):
             if m is not self and isinstance(m, RegionModule):
                 m._inner = True
             marks.keep_whole(m)
-        if tp_group.current().size > 1:
+        if self.tp.size > 1:
             mark_scaled_batch(self)
 
 
@@ -150,15 +153,17 @@ def _compute(hidden: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return hidden.to(like.dtype)
 
 
-def norm(layernorm: torch.nn.LayerNorm, hidden: torch.Tensor, split: bool = False) -> torch.Tensor:
+def norm(layernorm: torch.nn.LayerNorm, hidden: torch.Tensor, split_over: TPGroup | None = None) -> torch.Tensor:
     """``layernorm(hidden)``; an fp32 residual stream in front of a 16-bit layer norm is normalised in fp32
-    (its values may exceed the 16-bit range) and the result cast to the layer's dtype. ``split``: ``hidden``
-    holds this rank's tokens only (``optimize: memory``), so the parameters' gradients are summed over the
-    group."""
+    (its values may exceed the 16-bit range) and the result cast to the layer's dtype. ``split_over``: the group
+    whose ranks each hold some of ``hidden``'s tokens (``optimize: memory``), so the parameters' gradients are
+    summed over it; None for whole hidden states."""
     weight = layernorm.weight
-    if hidden.dtype == weight.dtype and not split:
+    if hidden.dtype == weight.dtype and split_over is None:
         return layernorm(hidden)
-    weight, bias = seq.replicated(weight, split), seq.replicated(layernorm.bias, split)
+    if split_over is not None:
+        weight = seq.replicated(weight, True, split_over)
+    bias = layernorm.bias if split_over is None else seq.replicated(layernorm.bias, True, split_over)
     if hidden.dtype == weight.dtype:
         return F.layer_norm(hidden, layernorm.normalized_shape, weight, bias, layernorm.eps)
     bias = None if bias is None else bias.float()
@@ -183,25 +188,26 @@ class DistributedAttentionLayer(RegionModule):
                  layernorm_epsilon: float = 1e-5, initializer_range: float = 0.02,
                  use_normal_initialization: bool = False, cross_attention: bool = False,
                  causal_mask_size: int | None = None, pre_layernorm: bool = False, post_layernorm: bool = True,
-                 **extras: Any):
+                 *, parallel_context: ParallelContext | None = None, **extras: Any):
         super().__init__()
+        self.tp = tp = resolve(parallel_context).tp
         opts.check_no_cross_attention("DistributedAttentionLayer", cross_attention)
         opts.check_layernorms("DistributedAttentionLayer", pre_layernorm, post_layernorm)
         self.options = opts.parse("DistributedAttentionLayer", extras)
         self.layer_idx = int(extras.get("layer_idx", 0) or 0)
-        tp = tp_group.current()
         if num_attention_heads % tp.size:
             raise ValueError(f"smp.nn.DistributedAttentionLayer: num_attention_heads {num_attention_heads} is not "
                              f"divisible by tensor_parallel_degree {tp.size}")
         self.num_attention_heads, self.attention_head_size = num_attention_heads, attention_head_size
         self.local_heads = num_attention_heads // tp.size
         self.causal_mask_size, self.pre_layernorm = causal_mask_size, pre_layernorm
-        gen, inner = init_generator(tp.size), num_attention_heads * attention_head_size
+        gen, inner = init_generator(tp), num_attention_heads * attention_head_size
         # a fixed draw order (query, key, value, dense) keeps fresh weights the same at any degree
         for name in ("query", "key", "value"):
             setattr(self, name, ParallelDense(hidden_size, inner, "column", self.options.use_qkv_bias,
-                                              initializer_range, gen))
-        self.dense = ParallelDense(inner, hidden_size, "row", self.options.use_attn_dense_bias, initializer_range, gen)
+                                              initializer_range, gen, tp))
+        self.dense = ParallelDense(inner, hidden_size, "row", self.options.use_attn_dense_bias, initializer_range, gen,
+                                   tp)
         self.layernorm = DistributedLayerNorm(hidden_size, eps=layernorm_epsilon)
         self.attention_dropout = torch.nn.Dropout(attention_dropout_prob)
         self.hidden_dropout = torch.nn.Dropout(hidden_dropout_prob)
@@ -216,12 +222,13 @@ class DistributedAttentionLayer(RegionModule):
         return x.view(n, s, self.local_heads, self.attention_head_size).transpose(1, 2)
 
     def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        hidden, entered = seq.enter(hidden)
-        return seq.leave(self._body(hidden, mask, seq.is_split(hidden)), entered)
+        hidden, entered = seq.enter(hidden, self.tp)
+        return seq.leave(self._body(hidden, mask, seq.is_split(hidden)), entered, self.tp)
 
     def _body(self, hidden: torch.Tensor, mask: torch.Tensor | None, split: bool) -> torch.Tensor:
         o = self.options
-        x = norm(self.layernorm, hidden, split) if self.pre_layernorm else _compute(hidden, self.layernorm.weight)
+        split_over = self.tp if split else None
+        x = norm(self.layernorm, hidden, split_over) if self.pre_layernorm else _compute(hidden, self.layernorm.weight)
         projections = (self.query, self.key, self.value)
         if split:  # one all-gather of the tokens for the three projections
             qkv = gather_sequence_linear(x, [(p.weight, p.bias) for p in projections], self.query.tp)
@@ -232,11 +239,11 @@ class DistributedAttentionLayer(RegionModule):
             q, k = (_rotary(t, o.rotary_dim, o.rotary_emb_base, o.gpt_neox_type_rotary) for t in (q, k))
         attend = self._sdpa if o.sdpa else self._eager
         context = attend(q, k, v, mask).transpose(1, 2).reshape(hidden.shape[0], q.shape[-2], -1)
-        out = seq.dropout(self.hidden_dropout, self.dense(context, split), split)
+        out = seq.dropout(self.hidden_dropout, self.dense(context, split), split, self.tp)
         if o.parallel_attn_output:
             return out  # the layer adds attention, MLP and residual together
         out = _residual_add(out, hidden, o.fp32_residual_addition)
-        return out if self.pre_layernorm else norm(self.layernorm, out, split)
+        return out if self.pre_layernorm else norm(self.layernorm, out, split_over)
 
     def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The context ``[N, heads, S, head size]`` from explicit scores and probabilities (SMP's reference)."""
@@ -278,16 +285,18 @@ class DistributedTransformerOutputLayer(RegionModule):
     def __init__(self, hidden_size: int = 1024, intermediate_size: int = 4096, hidden_dropout_prob: float = 0.1,
                  activation: str = "gelu", layernorm_epsilon: float = 1e-5, initializer_range: float = 0.02,
                  use_normal_initialization: bool = False, pre_layernorm: bool = False, post_layernorm: bool = True,
-                 fp32_residual_addition: bool = False, **extras: Any):
+                 fp32_residual_addition: bool = False, *, parallel_context: ParallelContext | None = None,
+                 **extras: Any):
         super().__init__()
+        self.tp = resolve(parallel_context).tp
         opts.check_layernorms("DistributedTransformerOutputLayer", pre_layernorm, post_layernorm)
         self.options = opts.parse("DistributedTransformerOutputLayer",
                                   {**extras, "fp32_residual_addition": fp32_residual_addition})
         self.activation = opts.check_activation("DistributedTransformerOutputLayer", activation)
         self.pre_layernorm = pre_layernorm
-        gen = init_generator(tp_group.current().size)
-        self.dense1 = ParallelDense(hidden_size, intermediate_size, "column", True, initializer_range, gen)
-        self.dense2 = ParallelDense(intermediate_size, hidden_size, "row", True, initializer_range, gen)
+        gen = init_generator(self.tp)
+        self.dense1 = ParallelDense(hidden_size, intermediate_size, "column", True, initializer_range, gen, self.tp)
+        self.dense2 = ParallelDense(intermediate_size, hidden_size, "row", True, initializer_range, gen, self.tp)
         # single_pre_layernorm (GPT-J): the layer hands in the attention's normalised input
         self.layernorm = None if self.options.single_pre_layernorm else \
             DistributedLayerNorm(hidden_size, eps=layernorm_epsilon)
@@ -298,17 +307,19 @@ class DistributedTransformerOutputLayer(RegionModule):
         return self._region(self._forward, hidden)
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden, entered = seq.enter(hidden)
-        return seq.leave(self._body(hidden, seq.is_split(hidden)), entered)
+        hidden, entered = seq.enter(hidden, self.tp)
+        return seq.leave(self._body(hidden, seq.is_split(hidden)), entered, self.tp)
 
     def _body(self, hidden: torch.Tensor, split: bool) -> torch.Tensor:
-        x = norm(self.layernorm, hidden, split) if self.pre_layernorm and self.layernorm is not None else \
+        split_over = self.tp if split else None
+        x = norm(self.layernorm, hidden, split_over) if self.pre_layernorm and self.layernorm is not None else \
             _compute(hidden, self.dense1.weight)
-        x = seq.dropout(self.dropout, self.dense2(_ACTIVATIONS[self.activation](self.dense1(x, split)), split), split)
+        x = seq.dropout(self.dropout, self.dense2(_ACTIVATIONS[self.activation](self.dense1(x, split)), split), split,
+                        self.tp)
         if self.options.parallel_attn_output:
             return x
         out = _residual_add(x, hidden, self.options.fp32_residual_addition)
-        return out if self.pre_layernorm else norm(self.layernorm, out, split)
+        return out if self.pre_layernorm else norm(self.layernorm, out, split_over)
 
 
 class DistributedTransformerLayer(RegionModule):
@@ -319,13 +330,16 @@ class DistributedTransformerLayer(RegionModule):
                  hidden_dropout_prob: float = 0.1, activation: str = "gelu", layernorm_epsilon: float = 1e-5,
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
-                 pre_layernorm: bool = False, post_layernorm: bool = True, **extras: Any):
+                 pre_layernorm: bool = False, post_layernorm: bool = True, *,
+                 parallel_context: ParallelContext | None = None, **extras: Any):
         super().__init__()
+        context = resolve(parallel_context)
+        self.tp = context.tp
         opts.check_no_cross_attention("DistributedTransformerLayer", add_cross_attention)
         fp32_residual = bool(extras.pop("fp32_residual_addition", False))
         common = {"layernorm_epsilon": layernorm_epsilon, "initializer_range": initializer_range,
                   "use_normal_initialization": use_normal_initialization, "pre_layernorm": pre_layernorm,
-                  "post_layernorm": post_layernorm}
+                  "post_layernorm": post_layernorm, "parallel_context": context}
         self.attention = DistributedAttentionLayer(
             num_attention_heads, attention_head_size, hidden_size, attention_dropout_prob, hidden_dropout_prob,
             causal_mask_size=causal_mask_size, fp32_residual_addition=fp32_residual, **common, **extras)
@@ -347,14 +361,15 @@ class DistributedTransformerLayer(RegionModule):
         return self._region(self._forward, hidden, mask)
 
     def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden, entered = seq.enter(hidden)
+        hidden, entered = seq.enter(hidden, self.tp)
         split = seq.is_split(hidden)
         if self.parallel:  # GPT-NeoX: x + attention(LN1(x)) + MLP(LN2(x)); GPT-J: one LN for both
-            mlp_in = norm(self.attention.layernorm, hidden, split) if self.output.layernorm is None else hidden
+            mlp_in = norm(self.attention.layernorm, hidden, self.tp if split else None) \
+                if self.output.layernorm is None else hidden
             mlp = self.output(seq.mark(mlp_in) if split else mlp_in)
             attention = self.attention((hidden, mask))
             out = _residual_add(mlp + attention, hidden, self.fp32_residual)
         else:
             out = self.output(self.attention((hidden, mask)))
-        return seq.leave(out, entered), mask
+        return seq.leave(out, entered, self.tp), mask
 

@@ -1,7 +1,7 @@
-"""``parallelize(module)``: the one step that makes a model tensor-parallel, whichever DeepSpeed engine then
+"""``parallelize(module, context)``: the one step that makes a model tensor-parallel, whichever DeepSpeed engine then
 drives it (plain data parallelism, ZeRO-3 over MiCS shard groups, or the pipeline).
 
-It shards the marked modules in place over this rank's tensor-parallel group (:func:`registry.apply`; a model
+It shards the marked modules in place over the context's tensor-parallel group (:func:`registry.apply`; a model
 born partitioned is read through ``around``) and returns a :class:`TensorParallelModel`: the module with what
 the backends need of its sharding, behind :class:`smp2ds.engine.core.tensor_parallel_view.TensorParallelView`:
 
@@ -27,7 +27,8 @@ from smp2ds.engine.core import comm
 from smp2ds.engine.core.partitioned_params import Around
 from smp2ds.engine.core.process_groups import ProcessGroups
 from smp2ds.engine.exceptions import SMPUnsupportedError
-from smp2ds.engine.nn.parallel.group import TPGroup, current
+from smp2ds.engine.nn.parallel.context import ParallelContext
+from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.nn.parallel.region import first_tensor
 from smp2ds.engine.nn.parallel.shards import full_tensor, local_part, spec_of
 from smp2ds.engine.tensor_parallel import grads, registry
@@ -112,10 +113,11 @@ class TensorParallelModel:
         return grads.grad_norm(params, self.group, norm_type)
 
 
-def parallelize(module: torch.nn.Module, *, around: Around | None = None) -> TensorParallelModel:
-    """Shard ``module``'s marked modules in place over this rank's tensor-parallel group (nothing at degree 1)
+def parallelize(module: torch.nn.Module, context: ParallelContext, *,
+                around: Around | None = None) -> TensorParallelModel:
+    """Shard ``module``'s marked modules in place over ``context``'s tensor-parallel group (nothing at degree 1)
     and return it with its tensor-parallel view. ``around``: a context in which a block's parameters can be
     read and replaced whole (models born partitioned by ZeRO-3)."""
-    group = current()
-    report = registry.apply(module, group, around=around) if group.size > 1 else None
+    group = context.tp
+    report = registry.apply(module, context, around=around) if group.size > 1 else None
     return TensorParallelModel(module, group, report)

@@ -25,6 +25,7 @@ import torch
 
 from smp2ds.engine.core import comm
 from smp2ds.engine.core.partitioned_params import Around
+from smp2ds.engine.nn.parallel.context import ParallelContext, using
 from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.nn.parallel.marks import Mark, mark_of
 from smp2ds.engine.nn.parallel.modules import DistributedEmbedding, DistributedLinear
@@ -131,12 +132,15 @@ def _shared_params(root: torch.nn.Module) -> set[int]:
     return {pid for pid, count in owners.items() if count > 1}
 
 
-def _replace(module: torch.nn.Module, reg: Registration, kwargs: dict[str, Any]) -> torch.nn.Module:
+def _replace(module: torch.nn.Module, reg: Registration, kwargs: dict[str, Any],
+             context: ParallelContext) -> torch.nn.Module:
     args, init_kwargs = _builtin_args(module)
     if reg.init_hook is not None:
         args, init_kwargs = reg.init_hook(*args, **init_kwargs)
     weight = next(module.parameters(), None)
-    new = reg.dist_module(*args, **{**init_kwargs, **_accepted(reg.dist_module, kwargs)})
+    # a registered class keeps SMP's signature: the smp.nn modules it builds take their group from `using`
+    with using(context):
+        new = reg.dist_module(*args, **{**init_kwargs, **_accepted(reg.dist_module, kwargs)})
     if weight is not None:
         new.to(device=weight.device, dtype=weight.dtype)
     new.train(module.training)
@@ -164,13 +168,15 @@ def _as_is(module: torch.nn.Module) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def apply(root: torch.nn.Module, tp: TPGroup, around: Around | None = None) -> Report:
-    """Shard or replace the marked modules of ``root`` in place (see the module docstring).
+def apply(root: torch.nn.Module, context: ParallelContext, around: Around | None = None) -> Report:
+    """Shard or replace the marked modules of ``root`` in place over ``context``'s tensor-parallel group (see the
+    module docstring).
 
     ``around(module)``, when given, wraps the sharding of each block and the placing of each
     replacement: parameters created partitioned (sharded data parallelism) are whole inside it
     and the new shards partitioned when it exits, so no rank holds more than one block whole."""
     around = around or _as_is
+    tp = context.tp
     register_builtins()
     report = Report()
     marked = [m for m in root.modules() if (mark_of(m) or Mark(False)).enabled]
@@ -203,7 +209,7 @@ def apply(root: torch.nn.Module, tp: TPGroup, around: Around | None = None) -> R
                 with around(child):
                     values = held_weights.held(child, hf_marks)
                 from_hf = any(hf_marks.get(id(p), False) for p in child.parameters())
-                new = _replace(child, reg, child_mark.kwargs)
+                new = _replace(child, reg, child_mark.kwargs, context)
                 kept = held_weights.carry_into(new, values, tp.rank, path=path, from_hf_model=from_hf)
                 report.fresh += [f"{path}.{n}" for n, _ in new.named_parameters() if not kept or n not in values]
                 with around(new):

@@ -43,7 +43,8 @@ from smp2ds.engine.nn.huggingface.fresh import (
     with_fresh_weights,
 )
 from smp2ds.engine.nn.parallel import marks
-from smp2ds.engine.nn.parallel.group import TPGroup, current
+from smp2ds.engine.nn.parallel.context import ParallelContext
+from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.nn.parallel.shards import local_part
 from smp2ds.engine.nn.transformer import DistributedTransformer, DistributedTransformerLMHead
 from smp2ds.engine.tensor_parallel import registry
@@ -59,16 +60,17 @@ def wants_replacement(module: torch.nn.Module) -> bool:
     return bool(mark is not None and mark.enabled and mark.kwargs)
 
 
-def replace_marked(root: torch.nn.Module) -> torch.nn.Module:
+def replace_marked(root: torch.nn.Module, context: ParallelContext) -> torch.nn.Module:
     """``root`` with every model part asking for SMP's transformer API replaced (run by
-    ``smp.DistributedModel`` before its backend; returns the new root when ``root`` itself is one).
+    ``smp.DistributedModel`` before its backend; returns the new root when ``root`` itself is one), built in
+    ``context`` (``smp.init``'s: the tensor-parallel group and its stream, the pipeline degree).
 
     The Hugging Face model around a replaced encoder (its embeddings, pooler, heads) is unmarked:
     it stays whole on every rank with its weights, as SMP's ``distribute_embedding=False``. Each replacement
     registers its ``(smp_to_hf, hf_to_smp)`` pair in ``smp.state.module_manager.translate_functions``
     (:mod:`hf_names`), as SMP's did."""
     owners: list[torch.nn.Module] = []
-    new = _replace(root, None, owners, "")
+    new = _replace(root, context, None, owners, "")
     for owner in owners:
         for m in owner.modules():
             if marks.mark_of(m) is not None:
@@ -76,34 +78,34 @@ def replace_marked(root: torch.nn.Module) -> torch.nn.Module:
     return new
 
 
-def _replace(module: torch.nn.Module, owner: torch.nn.Module | None, owners: list, prefix: str) -> torch.nn.Module:
+def _replace(module: torch.nn.Module, context: ParallelContext, owner: torch.nn.Module | None, owners: list,
+             prefix: str) -> torch.nn.Module:
     """``owner``: the outermost Hugging Face model (a module with ``config``) above ``module``; ``prefix``: the
     state-dict prefix of ``module`` in the wrapped model."""
     owner = owner if owner is not None else (module if hasattr(module, "config") else None)
     kind = _candidate(module)
     if kind is not None:
-        _refuse_pipeline(kind)
-        tp = current()
+        _refuse_pipeline(kind, context.pipeline_stages)
+        tp = context.tp
         if tp.size > 1:
             registry.sync_replicas(owner or module, tp)  # every rank of the group takes tp rank 0's weights
         if owner is not None and owner is not module and owner not in owners:
             owners.append(owner)
         with gathered_whole(owner or module):  # parameters born partitioned (sdp, delayed init) are read whole
-            new = _BUILDERS[kind](module)
+            new = _BUILDERS[kind](module, context)
         translation = _TRANSLATIONS[kind](module, new, prefix)
         state.module_manager.translate_functions.append((translation.smp_to_hf, translation.hf_to_smp))
         return new
     for name, child in list(module.named_children()):
-        new = _replace(child, owner, owners, f"{prefix}{name}.")
+        new = _replace(child, context, owner, owners, f"{prefix}{name}.")
         if new is not child:
             setattr(module, name, new)
     return module
 
 
-def _refuse_pipeline(kind: str) -> None:
+def _refuse_pipeline(kind: str, stages: int) -> None:
     # DistributedTransformerLMHead has a pipeline layer list (engine/pipeline/families/smp_transformer.py);
     # a replaced encoder sits inside a Hugging Face model whose layer list expects the original encoder.
-    stages = state.groups.topology.pp if state.initialized else 1
     if stages > 1 and kind.endswith("Encoder"):
         target = "DistributedTransformer"
         raise SMPUnsupportedError(
@@ -120,22 +122,23 @@ def _candidate(module: torch.nn.Module) -> str | None:
     return name if name in REPLACED_CLASSES else None
 
 
-def to_distributed_transformer(hf: torch.nn.Module) -> torch.nn.Module:
+def to_distributed_transformer(hf: torch.nn.Module, context: ParallelContext) -> torch.nn.Module:
     """The ``DistributedTransformerLMHead`` replacing Hugging Face GPT-2 / GPT-Neo / GPT-NeoX / GPT-J model ``hf``
-    (same weights, fresh ones where Hugging Face's init was skipped; head tied as the config says)."""
-    tp = current()
+    in ``context`` (same weights, fresh ones where Hugging Face's init was skipped; head tied as the config
+    says)."""
+    tp = context.tp
     settings = dict(marks.mark_of(hf).kwargs)
     family = LM_REPLACEMENTS[type(hf).__name__]
     weight = next(hf.parameters())
     if weight.is_meta:  # built under delayed initialisation: shard by shard, never the whole model
         with torch.device("meta"):  # shapes only: only this rank's shards are ever allocated
-            new = DistributedTransformerLMHead(**family.arguments(hf.config, settings))
+            new = DistributedTransformerLMHead(**family.arguments(hf.config, settings), parallel_context=context)
         allocate(new, weight.dtype)
         stream_fresh_weights(hf, new, family, tp)
     else:
-        new = DistributedTransformerLMHead(**family.arguments(hf.config, settings))
+        new = DistributedTransformerLMHead(**family.arguments(hf.config, settings), parallel_context=context)
         # weights Hugging Face never initialised (its init skipped by the script) are drawn afresh
-        weights, _ = with_fresh_weights(hf, hf.state_dict(), hf.config.initializer_range)
+        weights, _ = with_fresh_weights(hf, hf.state_dict(), hf.config.initializer_range, tp.rng.seed)
         new.to(device=weight.device, dtype=weight.dtype)
         load_full(new, head_as_built(new, family.translate(weights, hf.config)), tp)
     new.train(hf.training)
@@ -163,7 +166,7 @@ def stream_fresh_weights(hf: torch.nn.Module, new: torch.nn.Module, family: Any,
     whole, which are drawn in place). Every parameter of ``new`` must be written, or the replacement is refused."""
     own = new.state_dict(keep_vars=True)
     range_, norms = hf.config.initializer_range, layer_norm_weights(hf)
-    gen = generator()
+    gen = generator(tp.rng.seed)
     filled: set[str] = set()
     embedding: torch.Tensor | None = None
     params = {name for name, _ in hf.named_parameters(remove_duplicate=False)}
@@ -266,13 +269,15 @@ def smp_output_to_hf(out: Any) -> Any:
 
 
 # ---- BERT / RoBERTa encoders -> DistributedTransformer ---------------------------------------------
-def encoder_to_distributed_transformer(encoder: torch.nn.Module) -> torch.nn.Module:
-    """The ``DistributedTransformer`` replacing a BERT/RoBERTa encoder (same weights, HF call contract)."""
+def encoder_to_distributed_transformer(encoder: torch.nn.Module, context: ParallelContext) -> torch.nn.Module:
+    """The ``DistributedTransformer`` replacing a BERT/RoBERTa encoder in ``context`` (same weights, HF call
+    contract)."""
     settings = {k: v for k, v in marks.mark_of(encoder).kwargs.items() if k not in _LM_HEAD_ONLY}
-    new = DistributedTransformer(**ENCODER_ARGUMENTS[type(encoder).__name__](encoder.config, settings))
+    new = DistributedTransformer(**ENCODER_ARGUMENTS[type(encoder).__name__](encoder.config, settings),
+                                 parallel_context=context)
     weight = next(encoder.parameters())
     new.to(device=weight.device, dtype=weight.dtype)
-    load_full(new, encoder_names.hf_to_smp(encoder.state_dict(), "encoder replacement"), current())
+    load_full(new, encoder_names.hf_to_smp(encoder.state_dict(), "encoder replacement"), context.tp)
     new.train(encoder.training)
     object.__setattr__(new, "config", encoder.config)
     object.__setattr__(new, "_smp2ds_forward_hook", hf_encoder_call_to_smp)

@@ -50,14 +50,14 @@ def dropout_masks(smp: Any) -> dict:
     """Sequence-split dropout drawn twice from the same state of the group's stream (as a checkpoint
     recomputation does)."""
     from smp2ds.engine.nn import sequence_parallel as seq
-    from smp2ds.engine.nn.parallel import rng
+    from smp2ds.engine.nn.parallel import context
 
-    drop, x = torch.nn.Dropout(0.5), torch.ones(2, 8, 16)
-    with rng.region_stream():
+    drop, x, tp = torch.nn.Dropout(0.5), torch.ones(2, 8, 16), context.installed().tp
+    with tp.rng.region_stream():
         state = torch.get_rng_state()
-        first = seq.dropout(drop, x, True)
+        first = seq.dropout(drop, x, True, tp)
         torch.set_rng_state(state)
-        again = seq.dropout(drop, x, True)
+        again = seq.dropout(drop, x, True, tp)
     return {"first": first, "again": again}
 
 
@@ -65,10 +65,10 @@ def collective_pairs(smp: Any) -> dict:
     """``gather_sequence`` (all-gather / reduce-scatter) and ``reduce_scatter_sequence`` (the reverse) on
     rank-dependent tensors, with the gradients of a weighted sum (weights equal on every rank)."""
     from smp2ds.engine.diagnostics import comm_counter
-    from smp2ds.engine.nn.parallel import group as tp_group
+    from smp2ds.engine.nn.parallel import context
     from smp2ds.engine.nn.parallel.collectives import gather_sequence, reduce_scatter_sequence
 
-    tp, weight = tp_group.current(), torch.arange(48.0).reshape(2, 8, 3)
+    tp, weight = context.installed().tp, torch.arange(48.0).reshape(2, 8, 3)
     mine = torch.full((2, 4, 3), float(smp.rank() + 1), requires_grad=True)
     joined = gather_sequence(mine, tp)
     (joined * weight).sum().backward()

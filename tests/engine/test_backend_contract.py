@@ -97,11 +97,12 @@ def test_an_unmarked_model_is_not_looked_at_by_the_transformer_replacement():
     code = ("import sys, torch\n"
             "from smp2ds.engine.api.backend_factory import prepare_module\n"
             "from smp2ds.engine.nn.parallel import marks\n"
+            "from smp2ds.engine.nn.parallel.context import ParallelContext\n"
             "plain = torch.nn.Sequential(torch.nn.Linear(2, 2))\n"
-            "assert prepare_module(plain) is plain\n"
+            "assert prepare_module(plain, ParallelContext()) is plain\n"
             "assert 'smp2ds.engine.tensor_parallel.transformer_replacement' not in sys.modules\n"
             "marks.set_tensor_parallelism(plain)\n"
-            "assert prepare_module(plain) is plain\n"  # marked without transformer settings: sharded, not replaced
+            "assert prepare_module(plain, ParallelContext()) is plain\n"  # marked without transformer settings: sharded, not replaced
             "assert 'smp2ds.engine.tensor_parallel.transformer_replacement' in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -12,6 +12,7 @@ from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedErro
 from smp2ds.engine.nn.huggingface import gpt2 as tr
 from smp2ds.engine.nn.huggingface.gpt2 import gpt2_arguments
 from smp2ds.engine.nn.parallel import marks
+from smp2ds.engine.nn.parallel.context import ParallelContext
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine.hf_equivalence import assert_same_state
 
@@ -97,7 +98,7 @@ def test_marked_gpt2_with_smp_settings_is_replaced_and_keeps_the_hf_call_contrac
     with marks.tensor_parallelism(fused_softmax=True, attention_in_fp32=True):
         net = hf_gpt2(seed=2)
     ref = hf_gpt2(seed=2)
-    new = replace_marked(net)
+    new = replace_marked(net, ParallelContext())
     assert isinstance(new, smp.nn.DistributedTransformerLMHead) and new.config is net.config
     layers = list(new.transformer.seq_layers.children())
     assert len(layers) == 2 and isinstance(layers[0], smp.nn.DistributedTransformerLayer)
@@ -111,18 +112,18 @@ def test_marked_gpt2_with_smp_settings_is_replaced_and_keeps_the_hf_call_contrac
     # the in-place route stays for a plain marking, and unmarked models are left alone
     with marks.tensor_parallelism():
         plain = hf_gpt2()
-    assert replace_marked(plain) is plain
+    assert replace_marked(plain, ParallelContext()) is plain
     wrapper = torch.nn.ModuleDict({"lm": net})
     with marks.tensor_parallelism(fused_softmax=True):
         wrapper["lm"] = hf_gpt2()
-    assert isinstance(replace_marked(wrapper)["lm"], smp.nn.DistributedTransformerLMHead)
+    assert isinstance(replace_marked(wrapper, ParallelContext())["lm"], smp.nn.DistributedTransformerLMHead)
 
 
 def test_replacement_refuses_cross_attention():
     with marks.tensor_parallelism(fused_softmax=True):
         cross = hf_gpt2(add_cross_attention=True)
     with pytest.raises(SMPUnsupportedError, match="add_cross_attention=True cannot be replaced"):
-        replace_marked(cross)
+        replace_marked(cross, ParallelContext())
 
 
 @pytest.mark.parametrize(("kwargs", "error", "text"), [

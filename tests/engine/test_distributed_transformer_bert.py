@@ -12,6 +12,7 @@ from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import bert as bert_tr
 from smp2ds.engine.nn.huggingface import roberta as roberta_tr
 from smp2ds.engine.nn.parallel import marks
+from smp2ds.engine.nn.parallel.context import ParallelContext
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients, assert_same_state
 
@@ -60,7 +61,7 @@ def test_replaced_encoder_gives_hf_logits_loss_and_gradients(family, attn):
     with marks.tensor_parallelism(fused_softmax=True):
         net = hf_model(family, 4, attn)
     ref = hf_model(family, 4, attn)
-    new = replace_marked(net)
+    new = replace_marked(net, ParallelContext())
     assert new is net
     encoder = getattr(net, family).encoder
     assert isinstance(encoder, smp.nn.DistributedTransformer) and encoder.config is net.config
@@ -72,7 +73,7 @@ def test_replaced_encoder_gives_hf_logits_loss_and_gradients(family, attn):
 
 def test_smp_bert_state_dict_loads_into_hf_with_the_same_logits():
     with marks.tensor_parallelism(fused_softmax=True):
-        net = replace_marked(hf_model("bert", 5))
+        net = replace_marked(hf_model("bert", 5), ParallelContext())
     net.eval()
     hf = hf_model("bert", 6).eval()
     hf.load_state_dict(bert_tr.translate_state_dict_to_hf_bert(net.state_dict()), strict=True)
@@ -86,4 +87,4 @@ def test_bert_decoder_is_refused():
     with marks.tensor_parallelism(fused_softmax=True):
         net = hf_model("bert", 0, is_decoder=True)
     with pytest.raises(SMPUnsupportedError, match="a BERT/RoBERTa decoder .* cannot be replaced"):
-        replace_marked(net)
+        replace_marked(net, ParallelContext())

@@ -12,6 +12,7 @@ import smdistributed.modelparallel.torch as smp
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import gptj as tr
 from smp2ds.engine.nn.parallel import marks
+from smp2ds.engine.nn.parallel.context import ParallelContext
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients, assert_same_state
 
@@ -45,7 +46,7 @@ def test_replaced_gptj_gives_hf_logits_loss_and_gradients():
     with marks.tensor_parallelism(fused_softmax=True):
         net = hf_gptj(4)
     ref = hf_gptj(4)
-    new = replace_marked(net)
+    new = replace_marked(net, ParallelContext())
     assert isinstance(new, smp.nn.DistributedTransformerLMHead) and new.config is net.config
     layer = new.transformer.seq_layers[0]
     assert layer.parallel and layer.output.layernorm is None and layer.attention.query.bias is None
@@ -63,4 +64,4 @@ def test_gptj_without_rotary_dim_is_refused():
     with marks.tensor_parallelism(fused_softmax=True):
         net = hf_gptj(0, rotary_dim=0)
     with pytest.raises(SMPUnsupportedError, match="GPT-J with rotary_dim=0 is not supported"):
-        replace_marked(net)
+        replace_marked(net, ParallelContext())

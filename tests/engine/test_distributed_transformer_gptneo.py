@@ -12,6 +12,7 @@ import smdistributed.modelparallel.torch as smp
 from smp2ds.engine.exceptions import SMPInvalidArgumentError
 from smp2ds.engine.nn.huggingface import gptneo as tr
 from smp2ds.engine.nn.parallel import marks
+from smp2ds.engine.nn.parallel.context import ParallelContext
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients, assert_same_state
 
@@ -53,7 +54,7 @@ def test_replaced_gptneo_gives_hf_logits_loss_and_gradients(layers):
     with marks.tensor_parallelism(fused_softmax=True):
         net = hf_neo(4, layers)
     ref = hf_neo(4, layers)
-    new = replace_marked(net)
+    new = replace_marked(net, ParallelContext())
     assert isinstance(new, smp.nn.DistributedTransformerLMHead) and new.config is net.config
     assert [new.transformer.seq_layers[i].attention.options.local_window(i) for i in range(len(layers))] == \
         [3 if kind == "local" else None for kind in layers]
@@ -70,8 +71,8 @@ def test_the_window_changes_what_a_local_layer_sees():
     """Not vacuous: with the window the sequence's last positions differ from the all-global model, the
     first `window` positions (which see everything before them either way) do not."""
     with marks.tensor_parallelism(fused_softmax=True):
-        local = replace_marked(hf_neo(4, ["local"])).eval()
-        wide = replace_marked(hf_neo(4, ["global"])).eval()
+        local = replace_marked(hf_neo(4, ["local"]), ParallelContext()).eval()
+        wide = replace_marked(hf_neo(4, ["global"]), ParallelContext()).eval()
     ids, _ = batch()
     a, b = local(input_ids=ids).logits, wide(input_ids=ids).logits
     assert torch.allclose(a[:, :3], b[:, :3], atol=1e-6) and not torch.allclose(a[:, 3:], b[:, 3:], atol=1e-3)
@@ -96,7 +97,7 @@ def test_masked_positions_stay_masked_when_unscaled_scores_are_large():
     where SMP's default mask value (-1e4) would let masked (future) positions win. The replacement masks
     with -1e9 as SMP's GPT-Neo replacement does, and still equals Hugging Face."""
     with marks.tensor_parallelism(fused_softmax=True):
-        new = replace_marked(hf_neo(4, ["global", "local"])).eval()
+        new = replace_marked(hf_neo(4, ["global", "local"]), ParallelContext()).eval()
     ref = hf_neo(4, ["global", "local"]).eval()
     with torch.no_grad():
         for model, names in ((ref, ("attn.attention.q_proj", "attn.attention.k_proj")),

@@ -21,6 +21,7 @@ import torch
 
 from smp2ds.engine.nn.huggingface.fresh import initialised
 from smp2ds.engine.nn.parallel import marks
+from smp2ds.engine.nn.parallel.context import ParallelContext
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 
 VOCAB, RANGE = 64, 0.03
@@ -101,7 +102,7 @@ def test_skipped_hf_init_gets_the_distributed_transformers_own_init(family, tie,
     # the tensors Hugging Face left (torch's defaults, N(0, 1) embeddings, or uninitialised memory) are not
     # initializer_range-sized: copying them would fail the checks below
     assert any(not torch.isfinite(p).all() or p.std() > 5 * RANGE for p in hf.parameters() if p.dim() > 1)
-    new = replace_marked(hf)
+    new = replace_marked(hf, ParallelContext())
     assert_distributed_transformer_init(new)
     assert_head_follows_config(new, tie)
     ids = batch()
@@ -118,7 +119,7 @@ def test_initialised_hf_weights_are_kept_and_the_head_follows_config(family, tie
     ref = build(config(family, tie)).eval()  # same seed: same weights
     head = ref.get_output_embeddings().weight
     assert (head is ref.get_input_embeddings().weight) == tie
-    new = replace_marked(hf).eval()
+    new = replace_marked(hf, ParallelContext()).eval()
     assert_head_follows_config(new, tie)
     if not tie:
         assert torch.equal(new.lm_head.weight, head)
@@ -133,7 +134,7 @@ def test_from_pretrained_with_skipped_init_keeps_the_loaded_weights(family, tie,
     request.getfixturevalue("skip_hf_init")
     hf = build(None, pretrained=str(tmp_path))
     assert all(initialised(hf).values())
-    new = replace_marked(hf).eval()
+    new = replace_marked(hf, ParallelContext()).eval()
     assert_head_follows_config(new, tie)
     ids = batch()
     assert torch.allclose(new(input_ids=ids).logits, saved(input_ids=ids).logits, atol=1e-5, rtol=0)
@@ -147,7 +148,7 @@ def test_each_parameter_is_judged_by_its_own_mark(skip_hf_init):
     hf.transformer.h[0].ln_1.bias._is_hf_initialized = True  # as from_pretrained marks a parameter it loaded
     with torch.no_grad():
         hf.transformer.h[0].ln_1.bias.fill_(0.25)
-    new = replace_marked(hf)
+    new = replace_marked(hf, ParallelContext())
     assert torch.equal(new.position_embedding.weight, torch.full((16, 32), 0.5))
     ln_1 = new.transformer.seq_layers[0].attention.layernorm
     assert torch.equal(ln_1.bias, torch.full((32,), 0.25)) and torch.equal(ln_1.weight, torch.ones(32))

@@ -12,6 +12,7 @@ import smdistributed.modelparallel.torch as smp
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import gptneox as tr
 from smp2ds.engine.nn.parallel import marks
+from smp2ds.engine.nn.parallel.context import ParallelContext
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients, assert_same_state
 
@@ -56,7 +57,7 @@ def test_smp_signatures_take_the_head_count_of_the_replaced_model(monkeypatch):
     ``translate_state_dict_to_hf_gptneox(state_dict, max_seq_len)``: no head count passed."""
     monkeypatch.setattr(tr, "_replaced_heads", [])
     with marks.tensor_parallelism(fused_softmax=True):
-        new = replace_marked(hf_neox(5)).eval()
+        new = replace_marked(hf_neox(5), ParallelContext()).eval()
     pretrained = hf_neox(6).eval()
     new.load_state_dict(tr.translate_hf_state_dict_to_smdistributed_gptneox(pretrained.state_dict()))
     ids, _ = batch(8)
@@ -73,7 +74,7 @@ def test_replaced_neox_gives_hf_logits_loss_and_gradients(parallel, factor):
     with marks.tensor_parallelism(fused_softmax=True):
         net = hf_neox(4, use_parallel_residual=parallel, rope_parameters=rope)
     ref = hf_neox(4, use_parallel_residual=parallel, rope_parameters=rope)
-    new = replace_marked(net)
+    new = replace_marked(net, ParallelContext())
     assert isinstance(new, smp.nn.DistributedTransformerLMHead) and new.config is net.config
     assert new.transformer.seq_layers[0].parallel is parallel
     ids, mask = batch()
@@ -85,7 +86,7 @@ def test_replaced_neox_gives_hf_logits_loss_and_gradients(parallel, factor):
 
 def test_smp_neox_state_dict_loads_into_hf_with_the_same_logits():
     with marks.tensor_parallelism(fused_softmax=True):
-        new = replace_marked(hf_neox(5)).eval()
+        new = replace_marked(hf_neox(5), ParallelContext()).eval()
     hf = hf_neox(6).eval()
     hf.load_state_dict(tr.translate_state_dict_to_hf_gptneox(new.state_dict(), num_attention_heads=4), strict=True)
     ids, _ = batch(8)
@@ -97,4 +98,4 @@ def test_scaled_rotary_is_refused():
     with marks.tensor_parallelism(fused_softmax=True):
         net = hf_neox(0, rope_parameters=rope)
     with pytest.raises(SMPUnsupportedError, match="rope_type='linear' \\(scaled rotary\\) is not supported"):
-        replace_marked(net)
+        replace_marked(net, ParallelContext())

@@ -1,5 +1,5 @@
 """The engine reads the translator's typed Plan, never an untyped one: no function of ``engine/`` takes a plan, a
-state, a topology, a launch environment, settings or process groups as ``Any`` (mypy, run by ``.ci/typecheck``,
+state, a topology, a launch environment, settings, process groups or a parallel context as ``Any`` (mypy, run by ``.ci/typecheck``,
 then checks every read of them), and no module reads the Plan's topology by string key."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import ast
 from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
-TYPED = {"plan", "state", "topology", "launch", "settings", "groups"}
-"""Parameter names that must carry their type (``Plan``, ``State``, ``Topology``, ``LaunchEnv``, ...)."""
+TYPED = {"plan", "state", "topology", "launch", "settings", "groups", "context", "parallel_context"}
+"""Parameter names that must carry their type (``Plan``, ``State``, ``Topology``, ``LaunchEnv``, the
+``ParallelContext`` smp.nn's building blocks are built in, ...)."""
 
 
 def untyped_parameters(root: Path = ENGINE) -> list[str]:

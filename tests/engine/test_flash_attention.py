@@ -23,6 +23,7 @@ import torch
 import smdistributed.modelparallel.torch as smp
 from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedError
 from smp2ds.engine.nn.parallel import marks
+from smp2ds.engine.nn.parallel.context import ParallelContext
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine import transformer_workers as tw
 
@@ -34,7 +35,7 @@ def replaced(family: str, seed: int, **settings) -> torch.nn.Module:
     ``settings`` and replaced by SMP's distributed transformer (BERT: its encoder)."""
     with marks.tensor_parallelism(fused_softmax=True, **settings):
         net = tw.hf_of({"family": family, "seed": seed})
-    return replace_marked(net)
+    return replace_marked(net, ParallelContext())
 
 
 def padded(padding: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -185,16 +185,19 @@ def test_tensor_parallelism_replaces_other_models_layers_as_the_engine_does(tmp_
     qwen.write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32,
                                 "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
                                 "num_hidden_layers": 1, "vocab_size": 100, "tie_word_embeddings": False}))
-    from smp2ds.engine.core.state import state
+    from smp2ds.engine.nn.parallel import context
 
     source = load_model_source(str(qwen))
-    stream = state.rng_manager
+    active = context.resolve()
+    drawn = active.tp.rng.init_generator().initial_seed()  # the process stream's next draw, taken
     one = estimate_memory(source, StepShape(batch_per_rank=2, seq_len=8)).roles[0]
     two = estimate_memory(source, StepShape(tensor_parallel=2, batch_per_rank=2, seq_len=8)).roles[0]
     norms = 3 * 32  # input, post-attention and final RMSNorm weights
     assert two.elements == (one.elements - norms) // 2 + norms
     assert two.activations > one.activations  # prescaled_batch false: each layer runs both ranks' batches
-    assert state.rng_manager is stream  # the smp.nn modules' random streams are not left behind
+    # the cut ran in its own context: the process's context and stream are as they were
+    assert context.resolve() is active
+    assert active.tp.rng.init_generator().initial_seed() == drawn + 1
 
 
 def test_layouts_it_cannot_estimate_are_refused_with_the_reason(tmp_path, gpt2_dir):

@@ -17,7 +17,6 @@ from tests._dist import run_ranks
 
 def _grads_with_and_without_checkpointing() -> dict[str, Any]:
     import smdistributed.modelparallel.torch as smp
-    from smp2ds.engine.nn.parallel import rng
     from tests.engine.tp_workers import global_ids, hf_model, loss_of
 
     smp.init({"tensor_parallel_degree": 2, "ddp": True})
@@ -33,7 +32,7 @@ def _grads_with_and_without_checkpointing() -> dict[str, Any]:
         return loss
 
     ids = global_ids(0, 4)[smp.dp_rank() * 2:(smp.dp_rank() + 1) * 2]
-    stream = rng.manager()
+    stream = smp.state.rng_manager  # the tensor-parallel group's stream (SMP's name)
 
     def one_step(script_seed: int) -> tuple[float, dict[str, Any]]:
         saved = stream._cpu_state.clone()

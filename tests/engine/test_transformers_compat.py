@@ -23,6 +23,7 @@ from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.integrations import transformers_compat as compat
 from smp2ds.engine.nn.huggingface import gptneox as tr
 from smp2ds.engine.nn.parallel import marks
+from smp2ds.engine.nn.parallel.context import ParallelContext
 from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 from tests.engine.hf_equivalence import assert_same_logits_loss_and_gradients
 
@@ -58,7 +59,7 @@ def test_replaced_neox_with_non_default_rotary_gives_hf_logits_loss_and_gradient
     with marks.tensor_parallelism(fused_softmax=True):
         net = _neox(4)
     ref = _neox(4)
-    new = replace_marked(net)
+    new = replace_marked(net, ParallelContext())
     ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0

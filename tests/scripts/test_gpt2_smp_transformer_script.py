@@ -71,18 +71,18 @@ def _own_initial_weights(script, model_type: str, monkeypatch) -> dict:
     the script builds it: Hugging Face's init skipped, the first replacement of a process, seed 0."""
     import transformers
 
-    from smp2ds.engine.core.state import state
     from smp2ds.engine.nn.huggingface import fresh
-    from smp2ds.engine.nn.parallel import marks, rng
+    from smp2ds.engine.nn.parallel import marks
+    from smp2ds.engine.nn.parallel.context import ParallelContext
     from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 
     monkeypatch.setattr(transformers.PreTrainedModel, "init_weights", lambda x: None)
     monkeypatch.setattr(fresh, "_drawn", [0])
-    monkeypatch.setattr(state, "rng_manager", rng.RngManager(0))  # tensor_parallel_seed: SMP's default 0
     try:
         with marks.tensor_parallelism(fused_softmax=True):
             hf = transformers.AutoModelForCausalLM.from_config(script.model_config(model_type))
-        return script.MODELS[model_type][2](replace_marked(hf).state_dict())
+        # one process, no tensor parallelism, tensor_parallel_seed SMP's default 0
+        return script.MODELS[model_type][2](replace_marked(hf, ParallelContext()).state_dict())
     finally:
         monkeypatch.undo()
 

@@ -37,8 +37,6 @@ from typing import Any
 
 import torch
 
-from smp2ds.engine.nn.parallel import rng
-
 FRESH_STREAM = 1 << 32
 """Offset of the fresh-weight seeds from ``tensor_parallel_seed`` (away from the distributed modules'
 own ``seed + n`` streams)."""
@@ -60,9 +58,10 @@ def initialised(model: torch.nn.Module) -> dict[str, bool]:
     return flags
 
 
-def generator() -> torch.Generator:
-    """The next replaced model's fresh-weight stream (the same on every rank)."""
-    gen = torch.Generator().manual_seed(rng.manager().seed + FRESH_STREAM + _drawn[0])
+def generator(seed: int) -> torch.Generator:
+    """The next replaced model's fresh-weight stream from ``tensor_parallel_seed`` ``seed`` (the same on every
+    rank)."""
+    gen = torch.Generator().manual_seed(seed + FRESH_STREAM + _drawn[0])
     _drawn[0] += 1
     return gen
 
@@ -95,16 +94,16 @@ def fresh_value(key: str, like: torch.Tensor, initializer_range: float, gen: tor
     return value.to(device=None if like.is_meta else like.device, dtype=like.dtype)
 
 
-def with_fresh_weights(model: torch.nn.Module, state_dict: Mapping[str, Any],
-                       initializer_range: float) -> tuple[dict[str, Any], list[str]]:
+def with_fresh_weights(model: torch.nn.Module, state_dict: Mapping[str, Any], initializer_range: float,
+                       seed: int) -> tuple[dict[str, Any], list[str]]:
     """``state_dict`` (the model's, Hugging Face names) with every parameter transformers neither
-    initialised nor loaded replaced by a fresh value, and the names replaced (empty: nothing drawn, no
-    stream used)."""
+    initialised nor loaded replaced by a fresh value drawn from :func:`generator` ``(seed)``, and the names
+    replaced (empty: nothing drawn, no stream used)."""
     flags = initialised(model)
     skipped = [k for k in state_dict if not flags.get(k, True)]  # buffers are kept as they are
     if not skipped:
         return dict(state_dict), []
-    gen, norms = generator(), layer_norm_weights(model)
+    gen, norms = generator(seed), layer_norm_weights(model)
     out = dict(state_dict)
     for key in skipped:
         out[key] = fresh_value(key, state_dict[key], initializer_range, gen, key in norms)

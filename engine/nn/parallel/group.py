@@ -1,17 +1,22 @@
-"""This rank's tensor-parallel group, as the layers and the backend see it."""
+"""One rank's tensor-parallel group, as the layers and the backend see it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from smp2ds.engine.core.state import state
+from smp2ds.engine.nn.parallel.rng import RngManager
 from smp2ds.translator.tensor_parallel import TensorParallelSettings
+
+
+def _default_stream() -> RngManager:
+    return RngManager(TensorParallelSettings.seed)
 
 
 @dataclass(frozen=True)
 class TPGroup:
-    """The tensor-parallel group of one rank: torch handle, this rank's index, size, global ranks."""
+    """The tensor-parallel group of one rank: torch handle, this rank's index, size, global ranks, and the group's
+    random stream."""
 
     handle: Any
     rank: int
@@ -21,25 +26,22 @@ class TPGroup:
     """True: the group shares one batch; False: every member brings its own (gathered per region)."""
     optimize: str = TensorParallelSettings.optimize
     """SMP's ``optimize``: 'memory' splits the distributed transformer's sequence over the group."""
+    rng: RngManager = field(default_factory=_default_stream, compare=False, repr=False)
+    """The group's random stream (SMP's ``tensor_parallel_seed``): regions' dropout masks and fresh weights of
+    distributed modules; the same on every member."""
 
     @property
     def src(self) -> int:
         """Global rank of the group's first member (the source of broadcasts)."""
         return self.ranks[0]
 
+    def __deepcopy__(self, memo: dict) -> TPGroup:
+        # a group is the process's, not a module's: a copied model computes over the same group and stream
+        return self
+
 
 SINGLE = TPGroup(handle=None, rank=0, size=1, ranks=(0,), prescaled_batch=True)
 """No tensor parallelism (before ``smp.init`` or with ``tensor_parallel_degree`` 1)."""
-
-
-def current() -> TPGroup:
-    """The running process's tensor-parallel group (``SINGLE`` without tensor parallelism)."""
-    if not state.initialized or state.groups.topology.tp == 1:
-        return SINGLE
-    tp = state.plan.engine_settings.tensor_parallel
-    return TPGroup(handle=state.groups.group("tp"), rank=state.groups.coords.tp_rank,
-                   size=state.groups.topology.tp, ranks=tuple(state.groups.ranks["tp"]),
-                   prescaled_batch=tp.prescaled_batch, optimize=tp.optimize)
 
 
 def is_tensor_parallel(module: Any) -> bool:

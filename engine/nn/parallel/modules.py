@@ -13,6 +13,9 @@ a degree ``tp`` > 1 each one is a tensor-parallel region on its own (:mod:`regio
 
 Fresh weights come from the tensor-parallel stream (``tensor_parallel_seed``): every rank draws
 the same full tensor and keeps its shard, so the model is the same at any degree.
+
+The group is the one of ``parallel_context`` (a keyword smp2ds adds to SMP's signatures), else of the active
+context (:mod:`smp2ds.engine.nn.parallel.context`); the module keeps it as ``.tp``.
 """
 
 from __future__ import annotations
@@ -24,9 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from smp2ds.engine.exceptions import SMPUnsupportedError
-from smp2ds.engine.nn.parallel import group as tp_group
-from smp2ds.engine.nn.parallel import rng
 from smp2ds.engine.nn.parallel.collectives import copy_to_tp, gather_last_dim
+from smp2ds.engine.nn.parallel.context import ParallelContext, resolve
 from smp2ds.engine.nn.parallel.layers import vocab_parallel_lookup
 from smp2ds.engine.nn.parallel.region import mark_scaled_batch, run_region
 from smp2ds.engine.nn.parallel.shards import ShardSpec, shard_parameter
@@ -54,12 +56,12 @@ class DistributedLinear(torch.nn.Linear, DistributedModule):
     keyword arguments: a marking context's settings for other modules (``vocab_parallel``) skip it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: Any = None):
+                 dtype: Any = None, *, parallel_context: ParallelContext | None = None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.tp = tp_group.current()
+        self.tp = resolve(parallel_context).tp
         if self.tp.size == 1:
             return
-        gen = rng.manager().init_generator()
+        gen = self.tp.rng.init_generator()
         with torch.no_grad():
             # nn.Linear.reset_parameters' distribution, from the shared stream
             torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5), generator=gen)
@@ -86,13 +88,14 @@ class DistributedEmbedding(torch.nn.Embedding, DistributedModule):
                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  sparse: bool = False, vocab_parallel: bool = False, _weight: Any = None,
                  initializer_range: float = 0.02, _skip_allgather: bool = False,
-                 _skip_scatter_and_merge: bool = False, _output_full_batch: bool = False):
+                 _skip_scatter_and_merge: bool = False, _output_full_batch: bool = False, *,
+                 parallel_context: ParallelContext | None = None):
         super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
                          sparse, _weight)
         self.vocab_parallel = bool(vocab_parallel)
-        self.tp = tp_group.current()
+        self.tp = resolve(parallel_context).tp
         if _weight is None:
-            gen = rng.manager().init_generator() if self.tp.size > 1 else None
+            gen = self.tp.rng.init_generator() if self.tp.size > 1 else None
             with torch.no_grad():
                 torch.nn.init.normal_(self.weight, std=initializer_range, generator=gen)
                 if padding_idx is not None:

@@ -9,7 +9,7 @@ one batch and the region passes tensors through.
 
 Inside a region dropout must draw the same mask on every rank of the group (the activations
 between column- and row-parallel layers are replicated), so the region runs on the group's own
-random stream (:mod:`smp2ds.engine.nn.parallel.rng`), seeded from ``tensor_parallel_seed``.
+random stream (``TPGroup.rng``, :mod:`smp2ds.engine.nn.parallel.rng`), seeded from ``tensor_parallel_seed``.
 A region that is activation-checkpointed (``smp.set_activation_checkpointing``) checkpoints its
 body inside the group's stream (:data:`~smp2ds.engine.core.activation_checkpointing.CHECKPOINT_INSIDE`),
 so the recomputation in backward restores that stream and draws the masks of the first forward.
@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from smp2ds.engine.core.activation_checkpointing import CHECKPOINT_INSIDE
-from smp2ds.engine.nn.parallel import rng
 from smp2ds.engine.nn.parallel.collectives import gather_batch, slice_batch
 from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.nn.parallel.layers import swap_class
@@ -87,7 +86,7 @@ def run_region(tp: TPGroup, forward: Callable[..., Any], args: tuple, kwargs: di
     local = 0
     if not tp.prescaled_batch:
         args, kwargs, local = join_batches(args, kwargs, tp)
-    with rng.region_stream():
+    with tp.rng.region_stream():
         out = forward(*args, **kwargs)
     return own_rows(out, local, tp) if local else out
 

@@ -7,6 +7,9 @@ on every member, that advances only inside regions; the script's own stream is r
 Fresh weights of distributed modules are drawn from ``init_generator``: seed
 ``tensor_parallel_seed`` plus a per-process counter, so every rank (and every tensor-parallel
 degree) draws the same full tensor.
+
+A stream belongs to a tensor-parallel group (:class:`~smp2ds.engine.nn.parallel.group.TPGroup` ``.rng``): the
+group ``smp.init`` builds carries the Plan's seed, and ``smp.reset()`` starts it afresh.
 """
 
 from __future__ import annotations
@@ -16,9 +19,6 @@ from collections.abc import Iterator
 
 import torch
 
-from smp2ds.engine.core.state import state
-from smp2ds.translator.tensor_parallel import TensorParallelSettings
-
 
 class RngManager:
     """The group's region stream and the counter of distributed-module initialisations."""
@@ -26,14 +26,13 @@ class RngManager:
     def __init__(self, seed: int) -> None:
         self.seed = int(seed)
         self._inits = 0
-        saved = torch.get_rng_state()
-        torch.manual_seed(self.seed)
-        self._cpu_state = torch.get_rng_state()
-        torch.set_rng_state(saved)
-        self._cuda_state = None
+        # the state torch.manual_seed(seed) gives the CPU generator, without touching the process's own
+        self._cpu_state = torch.Generator().manual_seed(self.seed).get_state()
+        self._cuda_state: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def region_stream(self) -> Iterator[None]:
+        """Run the body on this stream (CPU, and CUDA where initialised); the caller's stream is restored after."""
         outer_cpu = torch.get_rng_state()
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         outer_cuda = torch.cuda.get_rng_state() if cuda else None
@@ -57,18 +56,3 @@ class RngManager:
         gen = torch.Generator().manual_seed(self.seed + self._inits)
         self._inits += 1
         return gen
-
-
-def manager() -> RngManager:
-    """``smp.state.rng_manager``, created on first use from the Plan's seed."""
-    if state.rng_manager is None:
-        seed = state.plan.engine_settings.tensor_parallel.seed if state.initialized else TensorParallelSettings.seed
-        state.rng_manager = RngManager(seed)
-    return state.rng_manager
-
-
-@contextlib.contextmanager
-def region_stream() -> Iterator[None]:
-    """Run the body on the tensor-parallel group's random stream."""
-    with manager().region_stream():
-        yield

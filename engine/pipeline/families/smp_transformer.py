@@ -18,6 +18,7 @@ token types and explicit position ids.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from smp2ds.engine.nn.parallel.group import current
+from smp2ds.engine.nn.parallel.group import TPGroup
 from smp2ds.engine.nn.parallel.region import run_region
 from smp2ds.engine.nn.transformer import DistributedTransformerLMHead, unpack_lm_inputs
 from smp2ds.engine.nn.transformer_layers import norm
@@ -38,29 +39,29 @@ def matches(model: nn.Module) -> bool:
     return isinstance(model, DistributedTransformerLMHead)
 
 
-def _region(fn: Callable[..., Any], *args: Any) -> Any:
-    return run_region(current(), fn, args, {})
+def _region(tp: TPGroup, fn: Callable[..., Any], *args: Any) -> Any:
+    return run_region(tp, fn, args, {})
 
 
-def _embed_tied(shared: nn.Module, inputs: tuple) -> tuple:
+def _embed_tied(tp: TPGroup, shared: nn.Module, inputs: tuple) -> tuple:
     ids, masked = inputs
-    return _region(shared.module, ids), masked
+    return _region(tp, shared.module, ids), masked
 
 
-def _head_tied(shared: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    return _region(lambda h: F.linear(h, shared.module.weight), hidden)
+def _head_tied(tp: TPGroup, shared: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return _region(tp, lambda h: F.linear(h, shared.module.weight), hidden)
 
 
 class WordEmbedding(nn.Module):
     """The word embedding when the head is not tied to it."""
 
-    def __init__(self, embedding: nn.Embedding):
+    def __init__(self, embedding: nn.Embedding, tp: TPGroup):
         super().__init__()
-        self.embedding = embedding
+        self.embedding, self.tp = embedding, tp
 
     def forward(self, inputs: tuple) -> tuple:
         ids, masked = inputs
-        return _region(self.embedding, ids), masked
+        return _region(self.tp, self.embedding, ids), masked
 
 
 class Positions(nn.Module):
@@ -70,10 +71,11 @@ class Positions(nn.Module):
         super().__init__()
         self.position_embedding, self.embedding_dropout = lm.position_embedding, lm.embedding_dropout
         self.fp32 = bool(lm.options.fp32_residual_addition)
+        self.tp = lm.tp
 
     def forward(self, inputs: tuple) -> tuple:
         embeds, masked = inputs
-        return _region(self._forward, embeds), masked
+        return _region(self.tp, self._forward, embeds), masked
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.position_embedding is not None:
@@ -88,11 +90,11 @@ class Layer(nn.Module):
 
     def __init__(self, layer: nn.Module, mask_value: float):
         super().__init__()
-        self.layer, self.mask_value = layer, mask_value
+        self.layer, self.mask_value, self.tp = layer, mask_value, layer.tp
 
     def forward(self, inputs: tuple) -> tuple:
         hidden, masked = inputs
-        return _region(self._forward, hidden, masked)
+        return _region(self.tp, self._forward, hidden, masked)
 
     def _forward(self, hidden: torch.Tensor, masked: torch.Tensor) -> tuple:
         additive = (masked.to(hidden.dtype) * self.mask_value)[:, None, None, :]
@@ -102,24 +104,24 @@ class Layer(nn.Module):
 class FinalNorm(nn.Module):
     """The stack's closing layer norm (pre-layernorm models); drops the mask."""
 
-    def __init__(self, layernorm: nn.Module | None):
+    def __init__(self, layernorm: nn.Module | None, tp: TPGroup):
         super().__init__()
-        self.layernorm = layernorm
+        self.layernorm, self.tp = layernorm, tp
 
     def forward(self, inputs: tuple) -> torch.Tensor:
         hidden = inputs[0]
-        return hidden if self.layernorm is None else _region(lambda h: norm(self.layernorm, h), hidden)
+        return hidden if self.layernorm is None else _region(self.tp, lambda h: norm(self.layernorm, h), hidden)
 
 
 class Head(nn.Module):
     """An LM head of its own (``tie_input_output_embedding=False``)."""
 
-    def __init__(self, lm_head: nn.Linear):
+    def __init__(self, lm_head: nn.Linear, tp: TPGroup):
         super().__init__()
-        self.lm_head = lm_head
+        self.lm_head, self.tp = lm_head, tp
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _region(self.lm_head, hidden)
+        return _region(self.tp, self.lm_head, hidden)
 
 
 class Adapter:
@@ -169,10 +171,12 @@ def _refuse(model: nn.Module) -> None:
 
 def build(model: nn.Module) -> LayerList:
     _refuse(model)
-    words, stack = model.word_embedding, model.transformer
+    words, stack, tp = model.word_embedding, model.transformer, model.tp  # the group the model was built over
     is_tied = model.lm_head is None
-    first = tied("smp_word_embedding", words, _embed_tied) if is_tied else WordEmbedding(words)
-    last = tied("smp_word_embedding", words, _head_tied) if is_tied else Head(model.lm_head)
+    first = tied("smp_word_embedding", words, functools.partial(_embed_tied, tp)) if is_tied else \
+        WordEmbedding(words, tp)
+    last = tied("smp_word_embedding", words, functools.partial(_head_tied, tp)) if is_tied else \
+        Head(model.lm_head, tp)
     head_module = words if is_tied else model.lm_head
     prefix = [m for m in (model.position_embedding, model.embedding_dropout) if m is not None]
     layers = [
@@ -185,7 +189,7 @@ def build(model: nn.Module) -> LayerList:
         for i, layer in enumerate(stack.seq_layers)
     ]
     norm = stack.layernorm
-    layers.append(PipeLayer(name="transformer.layernorm", entry=FinalNorm(norm), modules=(norm,) if norm else (),
+    layers.append(PipeLayer(name="transformer.layernorm", entry=FinalNorm(norm, tp), modules=(norm,) if norm else (),
                             owners=(norm,) if norm else (stack,)))
     layers.append(PipeLayer(name="lm_head", entry=last, modules=(head_module,), owners=(head_module,),
                             compute=2.0 * head_module.weight.numel()))
