@@ -9,6 +9,10 @@ empty buffers are not resident on CPU. The rank bodies and rows are ``tests/engi
 corrections they make to the measurement are explained there).
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python3 bench/memory_estimate_accuracy.py [--rows gpt2-ddp,llama-pp2-ckpt]
+        [--world-size 4]
+
+``--world-size 4`` runs the rows on four ranks: ``sdp2`` then shards over two ranks and keeps two replicas (the
+replica all-reduce of sharded data parallelism), ``ddp`` and ``zero1`` reduce over four.
 
 ``--fit-check SIZE`` instead asks ``smp2ds explain --fit SIZE`` for the layouts of the seed configuration
 ``examples/configs/bert_pipeline_000.json`` (two ranks, the bench's small BERT, per-rank batch 12 x 128 tokens: its
@@ -68,6 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="", help="comma-separated family-layout[-ckpt] rows (default: all)")
     parser.add_argument("--json", help="write the table as JSON here too")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks per row (default 2)")
     parser.add_argument("--fit-check", metavar="SIZE", help="measure the first layout --fit SIZE proposes instead")
     args = parser.parse_args()
     if args.fit_check:
@@ -83,15 +88,15 @@ def main() -> None:
             ckpt = rest == ["ckpt"]
             path = rows.write_config(family, os.path.join(tmp, f"{family}.json"))
             try:
-                roles = rows.estimated_roles(layout, ckpt, path)
+                roles = rows.estimated_roles(layout, ckpt, path, world=args.world_size)
             except ValueError as err:
                 print(f"{name:22s} not estimated: {err}", flush=True)
                 continue
-            for m in run(_rank, 2, family, layout, ckpt, path):
+            for m in run(_rank, args.world_size, family, layout, ckpt, path):
                 est = roles[m["pp_rank"]]["total"]
                 ratio = est / m["measured"]
                 table.append({"row": name, **m, "estimate": est, "ratio": ratio})
-                print(f"{name:22s} rank {m['rank']}  estimate {est / 2**20:8.1f} MiB  "
+                print(f"{name:22s} {args.world_size} ranks, rank {m['rank']}  estimate {est / 2**20:8.1f} MiB  "
                       f"measured {m['measured'] / 2**20:8.1f} MiB  ratio {ratio:5.3f}  "
                       f"(peak RSS {m['rss'] / 2**20:7.1f} MiB)", flush=True)
     if args.json:
