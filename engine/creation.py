@@ -27,7 +27,6 @@ from smp2ds.engine.exceptions import (
     StepFunctionCalledError,
 )
 from smp2ds.engine.nn.parallel import marks
-from smp2ds.engine.tensor_parallel import registry
 
 
 def _manual() -> Any:
@@ -76,11 +75,20 @@ def set_tensor_parallelism(module: torch.nn.Module, enabled: bool = True, **kwar
     marks.set_tensor_parallelism(module, enabled, **kwargs)
 
 
+def _register(module_cls: type, dist_module: type, init_hook: Callable | None, forward_hook: Callable | None,
+              return_hook: Callable | None) -> None:
+    # start-up: the tensor-parallel package reads every Hugging Face family's rules; a script that registers
+    # nothing never loads it before smp.DistributedModel
+    from smp2ds.engine.tensor_parallel import registry
+
+    registry.register(module_cls, dist_module, init_hook, forward_hook, return_hook)
+
+
 def tp_register(dist_module: type, init_hook: Callable | None = None, forward_hook: Callable | None = None,
                 return_hook: Callable | None = None) -> Callable[[type], type]:
     """Class decorator registering ``dist_module`` as the tensor-parallel version of the class."""
     def decorate(cls: type) -> type:
-        registry.register(cls, dist_module, init_hook, forward_hook, return_hook)
+        _register(cls, dist_module, init_hook, forward_hook, return_hook)
         return cls
 
     return decorate
@@ -90,7 +98,7 @@ def tp_register_with_module(module_cls: type, dist_module: type, init_hook: Call
                             forward_hook: Callable | None = None, return_hook: Callable | None = None,
                             translate_functions: tuple[Callable, Callable] | None = None) -> None:
     """Register ``dist_module`` as the tensor-parallel version of an existing class."""
-    registry.register(module_cls, dist_module, init_hook, forward_hook, return_hook)
+    _register(module_cls, dist_module, init_hook, forward_hook, return_hook)
     if translate_functions is not None:
         state.module_manager.translate_functions.append(tuple(translate_functions))
 
