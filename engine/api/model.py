@@ -57,6 +57,17 @@ _NO_EFFECT = {
 }
 
 
+def _refuse_modules_of_another_group(module: torch.nn.Module) -> None:
+    context = parallel_context.installed()
+    foreign = parallel_context.built_for_another_group(module, context)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise SMPUnsupportedError(
+            f"smp.DistributedModel: {shown} of the model {'was' if len(foreign) == 1 else 'were'} built for another "
+            f"tensor-parallel group than this run's (tensor_parallel_degree {context.tp.size}), for example "
+            "before smp.init(); build smp.nn modules after smp.init()")
+
+
 class DistributedModel(torch.nn.Module):
     """Wrap ``module`` for SMP training; one per process (``smp.reset()`` allows another)."""
 
@@ -97,6 +108,7 @@ class DistributedModel(torch.nn.Module):
         if "overlapping_allreduce" in kwargs and not isinstance(kwargs["overlapping_allreduce"], bool):
             raise SMPInvalidArgumentError("overlapping_allreduce must be a bool")
         super().__init__()
+        _refuse_modules_of_another_group(module)
         # SMP's distributed transformer replaces marked models (any tp degree)
         module = prepare_module(module, parallel_context.installed())
         self.add_module("module", module)  # the `module` property returns SMP's wrapper chain

@@ -159,3 +159,36 @@ def test_the_check_finds_a_lookup(tmp_path):
         "        self.tp = resolve().tp\n\n    def forward(self):\n        return installed()\n")
     assert layout_lookups(tmp_path, ("nn",)) == ["nn/m.py:2 state.groups", "nn/m.py:7 resolve()",
                                                  "nn/m.py:10 installed()"]
+
+
+# ---- a model whose smp.nn modules were built for another group is refused ----------------------------------------
+def test_modules_built_for_another_group_are_named(clean_contexts):
+    run = two_ranks(0)
+    model = torch.nn.Sequential(DistributedLinear(3, 6, parallel_context=run),
+                                torch.nn.Sequential(DistributedLinear(3, 6)),  # the single-process context
+                                torch.nn.Linear(3, 3))
+    assert context.built_for_another_group(model, run) == ["1.0"]
+    assert context.built_for_another_group(model, ParallelContext()) == ["0"]
+    other_ranks = ParallelContext(tp=TPGroup(handle=None, rank=0, size=2, ranks=(2, 3)))
+    assert context.built_for_another_group(model, other_ranks) == ["0", "1.0"]
+
+
+def _build_before_init() -> str:
+    import smdistributed.modelparallel.torch as smp
+
+    early = torch.nn.Sequential(smp.nn.DistributedLinear(4, 8), torch.nn.ReLU())  # before smp.init: one process
+    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    try:
+        smp.DistributedModel(early)
+    except smp.exceptions.SMPUnsupportedError as err:
+        return str(err)
+    return "accepted"
+
+
+@pytest.mark.slow
+def test_distributed_model_refuses_smp_nn_modules_built_before_smp_init():
+    from tests._dist import run_ranks
+
+    for message in run_ranks(_build_before_init, 2):
+        assert "0 of the model was built for another tensor-parallel group" in message
+        assert "tensor_parallel_degree 2" in message and "after smp.init()" in message

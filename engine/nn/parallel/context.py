@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from smp2ds.engine.nn.parallel.group import SINGLE, TPGroup
 from smp2ds.engine.nn.parallel.rng import RngManager
 from smp2ds.translator.tensor_parallel import TensorParallelSettings
@@ -109,3 +111,18 @@ def resolve(context: ParallelContext | None = None) -> ParallelContext:
     if _contexts.scoped:
         return _contexts.scoped[-1]
     return _contexts.installed if _contexts.installed is not None else _contexts.single
+
+
+def built_for_another_group(root: torch.nn.Module, context: ParallelContext) -> list[str]:
+    """Names of ``root``'s modules built over a tensor-parallel group other than ``context``'s (an ``smp.nn`` module
+    made before ``smp.init``, or for another layout): such a module would compute as a single process, or over
+    the wrong ranks, without any error of its own."""
+    wanted = (context.tp.size, context.tp.ranks)
+    found = []
+    for name, module in root.named_modules():
+        for attr in ("tp", "_smp2ds_tp"):
+            group = module.__dict__.get(attr)
+            if isinstance(group, TPGroup) and (group.size, group.ranks) != wanted:
+                found.append(name or type(module).__name__)
+                break
+    return found
