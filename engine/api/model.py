@@ -61,11 +61,12 @@ def _refuse_modules_of_another_group(module: torch.nn.Module) -> None:
     context = parallel_context.installed()
     foreign = parallel_context.built_for_another_group(module, context)
     if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        shown = ", ".join(repr(name) for name in foreign[:3]) + (f" and {len(foreign) - 3} more"
+                                                                  if len(foreign) > 3 else "")
         raise SMPUnsupportedError(
-            f"smp.DistributedModel: {shown} of the model {'was' if len(foreign) == 1 else 'were'} built for another "
-            f"tensor-parallel group than this run's (tensor_parallel_degree {context.tp.size}), for example "
-            "before smp.init(); build smp.nn modules after smp.init()")
+            f"smp.DistributedModel: the model's smp.nn modules {shown} were built for another tensor-parallel group "
+            f"than this run's (tensor_parallel_degree {context.tp.size}), for example before smp.init(); build "
+            "smp.nn modules after smp.init()")
 
 
 class DistributedModel(torch.nn.Module):

@@ -190,5 +190,5 @@ def test_distributed_model_refuses_smp_nn_modules_built_before_smp_init():
     from tests._dist import run_ranks
 
     for message in run_ranks(_build_before_init, 2):
-        assert "0 of the model was built for another tensor-parallel group" in message
+        assert "the model's smp.nn modules '0' were built for another tensor-parallel group" in message
         assert "tensor_parallel_degree 2" in message and "after smp.init()" in message

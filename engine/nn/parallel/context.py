@@ -83,8 +83,8 @@ def installed() -> ParallelContext:
 
 
 def restart_streams() -> ParallelContext:
-    """Start the process's random streams afresh from their seeds (``smp.reset()``: the next model draws the
-    fresh weights the first one drew); returns the active context."""
+    """Start the process's random streams afresh from their seeds (``smp.reset()``: the distributed modules of the
+    next model draw the weights the first model's drew); returns the active context."""
     def restarted(context: ParallelContext) -> ParallelContext:
         return dataclasses.replace(context, tp=dataclasses.replace(context.tp, rng=RngManager(context.tp.rng.seed)))
 
