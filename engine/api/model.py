@@ -57,8 +57,7 @@ _NO_EFFECT = {
 }
 
 
-def _refuse_modules_of_another_group(module: torch.nn.Module) -> None:
-    context = parallel_context.installed()
+def _refuse_modules_of_another_group(module: torch.nn.Module, context: parallel_context.ParallelContext) -> None:
     foreign = parallel_context.built_for_another_group(module, context)
     if foreign:
         shown = ", ".join(repr(name) for name in foreign[:3]) + (f" and {len(foreign) - 3} more"
@@ -109,9 +108,10 @@ class DistributedModel(torch.nn.Module):
         if "overlapping_allreduce" in kwargs and not isinstance(kwargs["overlapping_allreduce"], bool):
             raise SMPInvalidArgumentError("overlapping_allreduce must be a bool")
         super().__init__()
-        _refuse_modules_of_another_group(module)
+        context = parallel_context.installed()  # smp.init's: the group smp.nn modules must have been built for
+        _refuse_modules_of_another_group(module, context)
         # SMP's distributed transformer replaces marked models (any tp degree)
-        module = prepare_module(module, parallel_context.installed())
+        module = prepare_module(module, context)
         self.add_module("module", module)  # the `module` property returns SMP's wrapper chain
         settings = state.plan.engine_settings
         object.__setattr__(self, "_wrapper_view", wrapper_views.wrapper_chain(

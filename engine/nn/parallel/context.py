@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from smp2ds.engine.nn.parallel.group import SINGLE, TPGroup
+from smp2ds.engine.nn.parallel.group import SINGLE, TPGroup, groups_of
 from smp2ds.engine.nn.parallel.rng import RngManager
 from smp2ds.translator.tensor_parallel import TensorParallelSettings
 
@@ -118,11 +118,5 @@ def built_for_another_group(root: torch.nn.Module, context: ParallelContext) -> 
     made before ``smp.init``, or for another layout): such a module would compute as a single process, or over
     the wrong ranks, without any error of its own."""
     wanted = (context.tp.size, context.tp.ranks)
-    found = []
-    for name, module in root.named_modules():
-        for attr in ("tp", "_smp2ds_tp"):
-            group = module.__dict__.get(attr)
-            if isinstance(group, TPGroup) and (group.size, group.ranks) != wanted:
-                found.append(name or type(module).__name__)
-                break
-    return found
+    return [name or type(module).__name__ for name, module in root.named_modules()
+            if any((group.size, group.ranks) != wanted for group in groups_of(module))]

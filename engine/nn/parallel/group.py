@@ -44,11 +44,13 @@ SINGLE = TPGroup(handle=None, rank=0, size=1, ranks=(0,), prescaled_batch=True)
 """No tensor parallelism (before ``smp.init`` or with ``tensor_parallel_degree`` 1)."""
 
 
+def groups_of(module: Any) -> list[TPGroup]:
+    """The tensor-parallel groups ``module`` holds: a region's (``_smp2ds_tp``), an ``smp.nn`` module's (``tp``)."""
+    held = (module.__dict__.get(attr) for attr in ("_smp2ds_tp", "tp"))
+    return [group for group in held if isinstance(group, TPGroup)]
+
+
 def is_tensor_parallel(module: Any) -> bool:
     """True for a module whose forward runs collectives over a tensor-parallel group (a region, a
     sharded layer or an ``smp.nn`` distributed module at degree > 1): tracing keeps it whole."""
-    for attr in ("_smp2ds_tp", "tp"):
-        group = module.__dict__.get(attr)
-        if isinstance(group, TPGroup) and group.size > 1:
-            return True
-    return False
+    return any(group.size > 1 for group in groups_of(module))
