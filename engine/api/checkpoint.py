@@ -8,6 +8,10 @@ model state dict from rank 0.
 A partial checkpoint is staged in a hidden folder and renamed into place once sealed
 (:mod:`checkpoint_commit`); resume checks it against its manifest (:mod:`checkpoint_verify`).
 
+Under sharded data parallelism at tensor- and pipeline-parallel degree 1 the folder is SMP's own sharded-data-parallel
+layout instead (``<tag>/model_0.pt``, ``optimizer_<s>.pt``: :mod:`sdp_checkpoint`), the one SMP's
+``sharded_data_parallel_checkpoint.py`` helper reads; resume reads either layout, and checkpoints SMP wrote.
+
 fp16 loss-scaler and master-weight state travel inside the optimizer file (DeepSpeed keeps
 them in its optimizer state), so no separate ``fp16_states_*`` file is written.
 """
@@ -27,6 +31,7 @@ from smp2ds.engine.core import checkpoint_commit as commit
 from smp2ds.engine.core import checkpoint_format as names
 from smp2ds.engine.core import checkpoint_verify, safe_load
 from smp2ds.engine.core import object_collectives as collectives
+from smp2ds.engine.core import sdp_checkpoint as sdp_files
 from smp2ds.engine.core.ranks import CommGroup
 from smp2ds.engine.core.save_load import atomic_torch_save, fsync_dir
 from smp2ds.engine.core.state import state
@@ -86,8 +91,19 @@ def save_checkpoint(path: str, tag: str, partial: bool = True, model: Any = None
     collectives.barrier()
 
 
+def _sdp_layout() -> Any:
+    """This rank's MiCS layout when partial checkpoints take SMP's sharded-data-parallel layout, else None."""
+    groups, topo = state.mics_groups, state.groups.topology
+    if groups is None or groups.shard_size <= 1 or topo.tp != 1 or topo.pp != 1:
+        return None
+    return groups.layout
+
+
 def _save_partial(path: str, tag: str, nonce: str, model: Any, optimizer: Any, user_content: Any,
                   keep: int | None) -> None:
+    if _sdp_layout() is not None:
+        _save_sdp(path, tag, nonce, model, optimizer, user_content, keep)
+        return
     rank, c = state.groups.rank, _coords()
     entry = names.partial_entry(tag)
     stage = commit.stage_dir(path, entry, nonce)
@@ -103,16 +119,53 @@ def _save_partial(path: str, tag: str, nonce: str, model: Any, optimizer: Any, u
         name = os.path.basename(_optimizer_file(stage, sharded))
         records.append(commit.write_file(optimizer.local_state_dict(), stage, name, rank))
     if rank == 0:
-        if user_content is not None:
-            records.append(commit.write_file(user_content, stage, names.USER_CONTENT, rank))
-        config = {**state.cfg.get_config_dict(), "smp_version": names.SMP2DS_CHECKPOINT_VERSION}
-        records.append(commit.write_file(config, stage, names.SMP_CONFIG, rank))
+        records += _rank0_files(stage, user_content)
+    _seal(path, entry, stage, records, _layout(optimizer is not None, sharded), tag, keep)
+
+
+def _rank0_files(stage: str, user_content: Any) -> list[commit.FileRecord]:
+    """The user content and the configuration, written by rank 0 into the staged folder."""
+    records = []
+    if user_content is not None:
+        records.append(commit.write_file(user_content, stage, names.USER_CONTENT, 0))
+    config = {**state.cfg.get_config_dict(), "smp_version": names.SMP2DS_CHECKPOINT_VERSION}
+    records.append(commit.write_file(config, stage, names.SMP_CONFIG, 0))
+    return records
+
+
+def _seal(path: str, entry: str, stage: str, records: list[commit.FileRecord], layout: dict[str, Any], tag: str,
+          keep: int | None, single_newest: bool = False) -> None:
+    """Every rank's files on disk: rank 0 seals and publishes the folder (:mod:`checkpoint_commit`)."""
+    rank = state.groups.rank
     commit.fault_point("files_written", rank)
     fsync_dir(stage)
     everyone = collectives.allgather(records, CommGroup.WORLD)
     if rank == 0:
-        commit.seal(path, entry, stage, [r for part in everyone for r in part],
-                    _layout(optimizer is not None, sharded), tag, names.SMP2DS_CHECKPOINT_VERSION, keep)
+        commit.seal(path, entry, stage, [r for part in everyone for r in part], layout, tag,
+                    names.SMP2DS_CHECKPOINT_VERSION, keep, single_newest=single_newest)
+
+
+def _save_sdp(path: str, tag: str, nonce: str, model: Any, optimizer: Any, user_content: Any,
+              keep: int | None) -> None:
+    """SMP's sharded-data-parallel layout: ``<tag>/model_0.pt`` from rank 0, ``optimizer_<s>.pt`` from each shard
+    rank ``s`` of the first shard group (the other groups hold the same state), ``newest`` naming ``<tag>``."""
+    rank, layout = state.groups.rank, _sdp_layout()
+    stage = commit.stage_dir(path, tag, nonce)
+    os.makedirs(stage, exist_ok=True)
+    records: list[commit.FileRecord] = []
+    if model is not None:
+        sd = model.local_state_dict()  # collective: gathers over the shard group
+        if rank == 0:
+            records.append(commit.write_file(sdp_files.model_body(sd), stage, names.SDP_MODEL, rank))
+    if optimizer is not None and layout.shard_index == 0:
+        local = optimizer.local_state_dict()
+        body = sdp_files.optimizer_body(local["ds_optimizer"], local["smp2ds"])
+        records.append(commit.write_file(body, stage, names.sdp_optimizer_file(layout.shard_rank), rank))
+    if rank == 0:
+        records += _rank0_files(stage, user_content)
+    topo_layout = {**_layout(optimizer is not None, True), "sharded_data_parallel_degree": layout.shard_size,
+                   "smp_sdp_layout": True}
+    _seal(path, tag, stage, records, topo_layout, tag, keep, single_newest=True)
 
 
 def _save_full(path: str, tag: str, model: Any, optimizer: Any, user_content: Any, translate_if_full: bool) -> None:
@@ -252,11 +305,59 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
         entry = entries[-1]
     else:
         entry = names.partial_entry(tag)
+        if not os.path.isdir(os.path.join(path, entry)) and os.path.isdir(os.path.join(path, tag)):
+            entry = tag  # SMP's sharded-data-parallel layout names the folder by the tag alone
     directory = commit.resolve_dir(path, entry)
     _check_config(directory, load_optimizer, trust_checkpoint)
+    if sdp_files.is_sdp_dir(directory):
+        return _resume_sdp(directory, strict, load_optimizer, translate_function, trust_checkpoint)
     files = checkpoint_verify.files_to_load(directory, _model_file(directory), load_optimizer,
                                             lambda sharded: _optimizer_file(directory, sharded))
     _apply_model(_load(files["model"], trust=trust_checkpoint), strict, translate_function)
     if "optimizer" in files:
         _apply_optimizer(_load(files["optimizer"], trust=trust_checkpoint))
     return _load(files["user_content"], True, trust_checkpoint) if "user_content" in files else None
+
+
+def _resume_sdp(directory: str, strict: bool, load_optimizer: bool, translate_function: Callable | None,
+                trust: bool | None) -> Any:
+    """Resume a folder in SMP's sharded-data-parallel layout, written by smp2ds or by SMP.
+
+    Whole tensors of ``model_0.pt``'s ``module`` load into the model; SMP's empty placeholders of partitioned
+    parameters are skipped, their values coming from the master weights of this rank's ``optimizer_<s>.pt``
+    (DeepSpeed copies them into the parameters when it loads the optimizer state).
+    """
+    layout = _sdp_layout()
+    shard = layout.shard_rank if layout is not None else 0
+    model_path = os.path.join(directory, names.SDP_MODEL)
+    optimizer_path = os.path.join(directory, names.sdp_optimizer_file(shard))
+    if load_optimizer and layout is None:
+        topo = state.groups.topology
+        raise IncompatibleCheckpointFoundError(
+            f"checkpoint {directory} is in SMP's sharded-data-parallel layout (model_0.pt, optimizer_<s>.pt): its "
+            "optimizer state resumes only under sharded_data_parallel_degree > 1 at tensor_parallel_degree 1 and "
+            f"pipeline_parallel_degree 1 (this run: tp {topo.tp}, pp {topo.pp}, no shard groups); re-cut it with "
+            "`smp2ds checkpoint reshard`, or load with load_optimizer=False to take only the model weights")
+    files = checkpoint_verify.files_to_load(directory, model_path, load_optimizer, lambda sharded: optimizer_path)
+    try:
+        whole, placeholders = sdp_files.split_module(_load(files["model"], trust=trust))
+    except ValueError as exc:
+        raise SMPCheckpointError(f"{files['model']}: {exc}") from None
+    if placeholders and not load_optimizer:
+        raise SMPCheckpointError(
+            f"{files['model']} holds {len(placeholders)} parameter(s) only as empty placeholders (SMP kept their "
+            f"values in the optimizer files' master weights), e.g. {placeholders[0]!r}: resume with "
+            "load_optimizer=True, or rebuild the weights offline with `smp2ds checkpoint consolidate`")
+    if "optimizer" in files:
+        body = _load(files["optimizer"], trust=trust)
+        count = sdp_files.partition_count(body.get("ds_optimizer", body))
+        if layout is not None and count != layout.shard_size:
+            raise IncompatibleCheckpointFoundError(
+                f"{files['optimizer']} is partitioned over {count} ranks but this run's sharded_data_parallel_degree "
+                f"is {layout.shard_size}; re-cut it with `smp2ds checkpoint reshard --sdp {layout.shard_size}`, or "
+                "load with load_optimizer=False to take only the model weights")
+    whole[names.PARTIAL_MARK] = True  # names as the model holds them: no Hugging Face translation on load
+    _apply_model(whole, strict and not placeholders, translate_function)
+    if "optimizer" in files:
+        _apply_optimizer(sdp_files.engine_optimizer_state(body))
+    return _load(files["user_content"], True, trust) if "user_content" in files else None

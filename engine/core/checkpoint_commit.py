@@ -210,8 +210,12 @@ def _delete_dir(path: str, directory: str) -> None:
 
 # ---- sealing and publishing (rank 0) -----------------------------------------------------------
 def seal(path: str, entry: str, stage: str, records: list[FileRecord], layout: dict[str, Any], tag: str,
-         version: str, keep: int | None) -> None:
-    """Steps 3-6 of the module docstring, on rank 0 after every rank has written its files."""
+         version: str, keep: int | None, single_newest: bool = False) -> None:
+    """Steps 3-6 of the module docstring, on rank 0 after every rank has written its files.
+
+    ``single_newest``: ``newest`` names this entry alone (SMP's sharded-data-parallel layout, whose readers take
+    the whole file as one tag); the entries kept are then the complete folders by save time.
+    """
     missing = [r.name for r in records if not os.path.isfile(os.path.join(stage, r.name))]
     if missing:
         raise MissingCheckpointFilesError(f"checkpoint files {missing} written by other ranks are not visible in "
@@ -232,7 +236,7 @@ def seal(path: str, entry: str, stage: str, records: list[FileRecord], layout: d
     os.rename(stage, final)
     fsync_dir(path)
     fault_point("renamed", 0)
-    dropped = _publish_newest(path, entry, keep)
+    dropped = _publish_single(path, entry, keep) if single_newest else _publish_newest(path, entry, keep)
     fault_point("newest_written", 0)
     for old in ([aside] if aside else []) + [os.path.join(path, d) for d in dropped]:
         if os.path.isdir(old):
@@ -254,3 +258,17 @@ def _publish_newest(path: str, entry: str, keep: int | None) -> list[str]:
         dropped, lines = lines[:-keep], lines[-keep:]
     atomic_write_text(marker, "\n".join(lines) + "\n")
     return dropped
+
+
+def _publish_single(path: str, entry: str, keep: int | None) -> list[str]:
+    """Write ``newest`` as ``entry`` alone (durably); return the older complete single-newest saves beyond ``keep``."""
+    atomic_write_text(os.path.join(path, NEWEST), entry + "\n")
+    if keep is None or keep <= 0:
+        return []
+    saved: list[tuple[int, str]] = []
+    for name in os.listdir(path):
+        manifest = _complete(os.path.join(path, name)) if os.path.isdir(os.path.join(path, name)) else None
+        if manifest is not None and manifest.get("entry") == name and manifest.get("layout", {}).get("smp_sdp_layout"):
+            saved.append((int(manifest.get("saved_at_ns", 0)), name))
+    older = [name for _, name in sorted(saved) if name != entry]
+    return older[: max(0, len(older) - (keep - 1))]

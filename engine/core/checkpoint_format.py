@@ -11,6 +11,16 @@
         smp2ds_manifest.json                   smp2ds only: files, sizes, digests, layout (written last)
       <tag>, user_content_<tag>                partial=False: the full model state dict (rank 0)
 
+With sharded data parallelism at tensor- and pipeline-parallel degree 1, SMP wrote another layout (the one its
+``sharded_data_parallel_checkpoint.py`` helper reads), and smp2ds writes it too::
+
+    <path>/
+      newest                                   the newest "<tag>", one line
+      <tag>/
+        model_0.pt                             {"module": the model's state dict} (rank 0)
+        optimizer_<s>.pt                       DeepSpeed's ZeRO-3 state dict of shard rank s, at the top level
+        user_content.pt, smp_config.pt, smp2ds_manifest.json
+
 The Hugging Face ``Trainer`` names its SMP parts after its own files, ``smp.save`` appending the rank parts:
 ``pytorch_model.bin_<pp>_<tp>[.pt]`` and ``optimizer.pt_<pp>_<tp>[_<rdp>][.pt]``.
 
@@ -44,6 +54,17 @@ MODEL_PATTERNS = (re.compile(r"^model_(\d+)_(\d+)\.pt$"), re.compile(r"^pytorch_
 OPTIMIZER_PATTERNS = (re.compile(r"^optimizer_states_(\d+)_(\d+)(?:_(\d+))?\.pt$"),
                       re.compile(r"^optimizer\.pt_(\d+)_(\d+)(?:_(\d+))?(?:\.pt)?$"))
 """An optimizer part's name (smp.save_checkpoint's, then the Trainer's); groups: pp, tp, rdp or None."""
+
+
+SDP_MODEL = "model_0.pt"
+SDP_MODULE = "module"
+SDP_OPTIMIZER_PATTERN = re.compile(r"^optimizer_(\d+)\.pt$")
+"""An optimizer part of SMP's sharded-data-parallel layout; group: the shard rank."""
+
+
+def sdp_optimizer_file(shard_rank: int) -> str:
+    """The optimizer part of shard rank ``shard_rank`` in SMP's sharded-data-parallel layout."""
+    return f"optimizer_{shard_rank}.pt"
 
 
 def partial_entry(tag: str) -> str:
