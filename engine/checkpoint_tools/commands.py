@@ -25,9 +25,9 @@ from smp2ds.engine.exceptions import SMPCheckpointError, SMPInvalidArgumentError
 EXIT_OK, EXIT_BROKEN = 0, 1
 
 
-def inspect(path: str, tag: str | None, fmt: str, out: TextIO | None = None) -> int:
+def inspect(path: str, tag: str | None, fmt: str, out: TextIO | None = None, tensors: bool = False) -> int:
     out = out or sys.stdout  # looked up per call: tests and callers swap sys.stdout
-    rep = inspect_report.report(path, tag)
+    rep = inspect_report.report(path, tag, tensors)
     out.write(inspect_report.render_json(rep) if fmt == "json" else inspect_report.render_text(rep))
     return EXIT_OK if rep["complete"] else EXIT_BROKEN
 
@@ -103,6 +103,8 @@ def export(path: str, to: str, out_dir: str, tag: str | None, config: str | None
     else:
         hf_export.check_model_args(config, model_type)  # before reading the folder: a usage error comes first
     found = layout.find(path, tag)
+    if to == "hf" and config is None and model_type is None:
+        hf_export.check_model_args(config, model_type, hf_export.saved_config(found) is not None)
 
     def work() -> str:
         if to == "dcp":

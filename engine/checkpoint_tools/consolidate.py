@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from smp2ds.engine.checkpoint_tools import shard_rules
+from smp2ds.engine.checkpoint_tools import sdp_layout, shard_rules
 from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout, Problem
 from smp2ds.engine.checkpoint_tools.reading import model_tensors
 from smp2ds.engine.checkpoint_tools.safetensors_stream import StreamWriter
 from smp2ds.engine.checkpoint_tools.shard_rules import Split
+from smp2ds.engine.core.checkpoint_format import SDP_MODEL
 from smp2ds.engine.exceptions import SMPCheckpointError
 from smp2ds.engine.nn.parallel.shards import ShardSpec
 
@@ -59,7 +60,11 @@ class ShardReader:
 
     def tensors(self, file: str) -> dict[str, torch.Tensor]:
         if file not in self._open:
-            self._open[file] = model_tensors(file, mmap=True)
+            tensors = model_tensors(file, mmap=True)
+            empty = [k for k, v in tensors.items() if v.numel() == 0]
+            if empty and os.path.basename(file) == SDP_MODEL:  # SMP's placeholders: values in the master weights
+                sdp_layout.fill_placeholders(os.path.dirname(file), tensors, empty)
+            self._open[file] = tensors
         return self._open[file]
 
     def piece(self, file: str, key: str) -> torch.Tensor:

@@ -5,9 +5,10 @@ names to Hugging Face's where the checkpoint holds them (``smp.nn.huggingface``)
 into the model class the config names, and written with ``save_pretrained``: safetensors shards,
 their index and ``config.json``. The strict load is the check that every weight found its place.
 
-The config comes from ``--config FILE`` (a Hugging Face ``config.json``) or from ``--model-type``
-with the sizes read from the tensors' shapes; the head count is not in any shape, so it is given
-as ``--num-attention-heads``.
+The config comes from ``--config FILE`` (a Hugging Face ``config.json``), from ``--model-type``
+with the sizes read from the tensors' shapes (the head count is not in any shape, so it is given
+as ``--num-attention-heads``), or, with neither, from the checkpoint's user content when the script
+saved its model's config there (SMP's examples save ``model_config``).
 """
 
 from __future__ import annotations
@@ -63,23 +64,52 @@ def _read_config(path: str) -> dict[str, Any]:
     return cfg
 
 
-def check_model_args(config_file: str | None, model_type: str | None) -> None:
-    """The Hugging Face export names its model by exactly one of a config file and a model type."""
-    if (config_file is None) == (model_type is None):
-        raise SMPInvalidArgumentError("give exactly one of --config FILE and --model-type TYPE (got "
-                                      f"{'both' if config_file else 'neither'})")
+def check_model_args(config_file: str | None, model_type: str | None, saved: bool = True) -> None:
+    """The Hugging Face export names its model by at most one of a config file and a model type; by neither only
+    when the checkpoint saved its config (``saved``)."""
+    if config_file is not None and model_type is not None:
+        raise SMPInvalidArgumentError("give one of --config FILE and --model-type TYPE, not both")
+    if config_file is None and model_type is None and not saved:
+        raise SMPInvalidArgumentError("give one of --config FILE and --model-type TYPE: the checkpoint's user "
+                                      "content holds no model_config (a Hugging Face config) to take instead")
+
+
+_CONTENT_CONFIG_KEYS = ("model_config", "config", "hf_config")
+"""Where scripts keep their model's Hugging Face config in the user content (SMP's examples: ``model_config``)."""
+
+
+def saved_config(layout: CheckpointLayout) -> dict[str, Any] | None:
+    """The Hugging Face config the checkpoint's user content holds (read without running code), or None."""
+    from smp2ds.engine.core import safe_load  # start-up: only when no config was given
+
+    path = layout.extras.get("user_content")
+    if path is None:
+        return None
+    try:
+        content = safe_load.load(path, user_content=True)
+    except SMPCheckpointError:
+        return None  # holds types the allowlist refuses: the user gives the config instead
+    for key in _CONTENT_CONFIG_KEYS:
+        found = content.get(key) if isinstance(content, dict) else None
+        if hasattr(found, "to_dict") and getattr(found, "model_type", None):
+            return found.to_dict()
+        if isinstance(found, dict) and found.get("model_type"):
+            return dict(found)
+    return None
 
 
 def export(layout: CheckpointLayout, out_dir: str, config_file: str | None = None, model_type: str | None = None,
            heads: int | None = None, max_shard_size: str = "5GB") -> list[str]:
-    """Write ``out_dir`` for ``AutoModelForCausalLM.from_pretrained``; returns the files written."""
+    """Write ``out_dir`` for ``AutoModelForCausalLM.from_pretrained``; returns the files written. With neither
+    ``config_file`` nor ``model_type`` the config saved in the user content is used."""
     import transformers as tf
 
-    check_model_args(config_file, model_type)
+    saved = saved_config(layout) if config_file is None and model_type is None else None
+    check_model_args(config_file, model_type, saved is not None)
     reader = consolidate.ShardReader()
     entries = consolidate.checked_plan(layout, reader)
     sd = dict(consolidate.iter_tensors(entries, reader))
-    cfg = _read_config(config_file) if config_file else None
+    cfg = _read_config(config_file) if config_file else saved
     kind = cfg["model_type"] if cfg else model_type
     if any(".seq_layers." in k for k in sd):
         count = heads or (cfg or {}).get("num_attention_heads") or (cfg or {}).get("n_head")

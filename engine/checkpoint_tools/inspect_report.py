@@ -13,10 +13,12 @@ from smp2ds.engine.checkpoint_tools.layout import Problem
 from smp2ds.engine.exceptions import SMPCheckpointError
 
 
-def report(path: str, tag: str | None = None) -> dict[str, Any]:
+def report(path: str, tag: str | None = None, tensors: bool = False) -> dict[str, Any]:
     """The inspect report of ``path`` as a JSON-ready dict; ``complete`` is False when anything is wrong.
 
-    A folder that cannot be read as a checkpoint at all gives a report with that one problem.
+    A folder that cannot be read as a checkpoint at all gives a report with that one problem. ``tensors``: also
+    every tensor of the full state dict, ``{name: {"shape", "dtype", "split"}}`` (``split``: the dimension the
+    tensor-parallel ranks cut, or None).
     """
     try:
         found = layouts.find(path, tag)
@@ -27,7 +29,10 @@ def report(path: str, tag: str | None = None) -> dict[str, Any]:
     problems = found.problems + [p for p in problems if p not in found.problems]
     params = sum(_numel(e.shape) for e in entries)
     world = (found.manifest or {}).get("layout", {}).get("world_size")
-    return {
+    listing = {"tensor_list": {e.key: {"shape": list(e.shape), "dtype": str(e.dtype).replace("torch.", ""),
+                                       "split": e.split.dim if e.split is not None else None} for e in entries}
+               } if tensors else {}
+    return {**listing,
         "path": path,
         "directory": found.directory,
         "kind": found.kind,
@@ -88,7 +93,14 @@ def render_text(rep: dict[str, Any]) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     text = "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
-    return text + "".join(_problem_line(p) for p in rep["problems"])
+    text += "".join(_problem_line(p) for p in rep["problems"])
+    if "tensor_list" in rep:
+        name_width = max((len(k) for k in rep["tensor_list"]), default=0)
+        text += "tensors\n" + "".join(
+            f"  {name:<{name_width}}  {'x'.join(map(str, t['shape'])) or 'scalar'}  {t['dtype']}"
+            + (f"  (split over tp along dim {t['split']})" if t["split"] is not None else "") + "\n"
+            for name, t in rep["tensor_list"].items())
+    return text
 
 
 def _problem_line(p: dict[str, str] | Problem) -> str:

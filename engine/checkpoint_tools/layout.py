@@ -6,6 +6,9 @@ Folders understood (every name as SMP wrote it; smp2ds writes the same):
   unless a tag is chosen);
 * one ``<tag>_partial/``: ``model_<pp>_<tp>.pt``, ``optimizer_states_<pp>_<tp>[_<rdp>].pt``,
   ``user_content.pt``, ``smp_config.pt`` and, when smp2ds wrote it, ``smp2ds_manifest.json``;
+* SMP's sharded-data-parallel layout (tensor- and pipeline-parallel degree 1): ``newest`` naming ``<tag>``, and
+  ``<tag>/`` with ``model_0.pt`` (the state under ``module``), ``optimizer_<s>.pt`` per shard rank and
+  ``user_content.pt`` (:mod:`.sdp_layout`), as SMP and smp2ds write it;
 * a Hugging Face Trainer checkpoint of an SMP run: ``pytorch_model.bin_<pp>_<tp>[.pt]``,
   ``optimizer.pt_<pp>_<tp>[_<rdp>][.pt]``, ``user_content.pt``, ``scheduler.pt``.
 
@@ -21,9 +24,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from smp2ds.engine.checkpoint_tools import sdp_layout
 from smp2ds.engine.checkpoint_tools.reading import load_weights
 from smp2ds.engine.core import checkpoint_commit as commit
 from smp2ds.engine.core import checkpoint_format as fmt
+from smp2ds.engine.core import sdp_checkpoint
 from smp2ds.engine.exceptions import SMPCheckpointError
 
 
@@ -57,6 +62,10 @@ class CheckpointLayout:
     extras: dict[str, str] = field(default_factory=dict)
     """``user_content`` / ``scheduler`` / ``smp_config`` / ``trainer_state`` -> file, those present."""
     problems: list[Problem] = field(default_factory=list)
+    smp_sdp: bool = False
+    """SMP's sharded-data-parallel layout: one model file, ``sdp`` optimizer files (the first shard group's)."""
+    param_groups: list[dict[str, Any]] | None = None
+    """The user content's ``param_shapes`` (per optimizer group, name -> shape) in that layout, when saved."""
 
     @property
     def optimizer_sharded(self) -> bool:
@@ -76,8 +85,11 @@ def _entry_dir(path: str, tag: str | None) -> tuple[str, str | None, list[str]]:
             newest = [ln.strip() for ln in handle if ln.strip()]
     partial_dirs = sorted(d for d in os.listdir(path) if fmt.tag_of(d) is not None and os.path.isdir(
         os.path.join(path, d)))
+    sdp_dirs = sorted(d for d in os.listdir(path) if sdp_checkpoint.is_sdp_dir(os.path.join(path, d)))
     if tag is not None:
         entry = fmt.partial_entry(tag)
+        if tag in sdp_dirs and not os.path.isdir(os.path.join(path, entry)):
+            return os.path.join(path, tag), tag, newest
         if not (newest or partial_dirs):
             raise SMPCheckpointError(f"{path}: --tag {tag!r} given, but this folder holds no <tag>_partial folders "
                                      "(it is a checkpoint itself; leave --tag out)")
@@ -91,14 +103,20 @@ def _entry_dir(path: str, tag: str | None) -> tuple[str, str | None, list[str]]:
         if not os.path.isdir(os.path.join(path, entry)):
             raise SMPCheckpointError(f"{marker}: names {entry!r} as the newest checkpoint, but "
                                      f"{os.path.join(path, entry)} does not exist")
-        return os.path.join(path, entry), fmt.tag_of(entry), newest
-    if len(partial_dirs) == 1:
-        return os.path.join(path, partial_dirs[0]), fmt.tag_of(partial_dirs[0]), newest
-    if len(partial_dirs) > 1:
-        raise SMPCheckpointError(f"{path}: holds several checkpoints ({', '.join(partial_dirs)}) and no newest "
+        return os.path.join(path, entry), _tag(entry), newest
+    saves = partial_dirs + sdp_dirs
+    if len(saves) == 1:
+        return os.path.join(path, saves[0]), _tag(saves[0]), newest
+    if len(saves) > 1:
+        raise SMPCheckpointError(f"{path}: holds several checkpoints ({', '.join(saves)}) and no newest "
                                  "file; choose one with --tag")
     name = os.path.basename(os.path.normpath(path))
-    return path, fmt.tag_of(name), newest
+    return path, _tag(name) if sdp_checkpoint.is_sdp_dir(path) else fmt.tag_of(name), newest
+
+
+def _tag(entry: str) -> str | None:
+    """The tag of a save's folder: ``<tag>_partial``, or SMP's sharded-data-parallel ``<tag>``."""
+    return fmt.tag_of(entry) if entry.endswith(fmt.PARTIAL_SUFFIX) else entry
 
 
 def _config(path: str, problems: list[Problem]) -> dict[str, Any]:
@@ -120,6 +138,8 @@ def find(path: str, tag: str | None = None) -> CheckpointLayout:
         raise SMPCheckpointError(f"{path}: is a file; smp2ds checkpoint reads a checkpoint folder (the path given "
                                  "to smp.save_checkpoint, one <tag>_partial folder, or a Trainer checkpoint-N folder)")
     directory, found_tag, newest = _entry_dir(path, tag)
+    if sdp_checkpoint.is_sdp_dir(directory):
+        return _find_sdp(directory, found_tag, newest)
     problems: list[Problem] = []
     models: dict[tuple[int, int], str] = {}
     optimizers: dict[tuple[int, int, int | None], str] = {}
@@ -162,6 +182,58 @@ def find(path: str, tag: str | None = None) -> CheckpointLayout:
     if manifest is not None:
         _check_manifest(layout)
     return layout
+
+
+def _find_sdp(directory: str, tag: str | None, newest: list[str]) -> CheckpointLayout:
+    """SMP's sharded-data-parallel layout: ``model_0.pt`` and the first shard group's ``optimizer_<s>.pt``."""
+    problems: list[Problem] = []
+    extras = {k: os.path.join(directory, f) for k, f in (("user_content", fmt.USER_CONTENT),
+                                                          ("smp_config", fmt.SMP_CONFIG))
+              if os.path.isfile(os.path.join(directory, f))}
+    try:
+        manifest = commit.read_manifest(directory)
+    except SMPCheckpointError as exc:
+        problems.append(Problem(os.path.join(directory, fmt.MANIFEST), str(exc).split(": ", 1)[-1]))
+        manifest = None
+    config = _config(extras.get("smp_config", ""), problems)
+    shards = sdp_layout.optimizer_files(directory)
+    saved = (manifest or {}).get("layout", {})
+    sdp = int(config.get("sharded_data_parallel_degree") or saved.get("sharded_data_parallel_degree")
+              or _partition_count(shards, problems) or 1)
+    try:
+        groups = sdp_layout.parameter_groups(directory)
+    except SMPCheckpointError as exc:
+        problems.append(Problem(extras.get("user_content", directory), str(exc).split(": ", 1)[-1]))
+        groups = None
+    kind = "SMP sharded-data-parallel checkpoint" + (" (written by smp2ds)" if manifest else "")
+    layout = CheckpointLayout(directory, kind, tag, newest, {(0, 0): os.path.join(directory, fmt.SDP_MODEL)},
+                              {(0, 0, s): f for s, f in shards.items()}, 1, 1, int(saved.get("rdp") or sdp), sdp,
+                              config, manifest, extras, problems, smp_sdp=True, param_groups=groups)
+    for s in range(sdp):
+        if shards and s not in shards:
+            problems.append(Problem(os.path.join(directory, fmt.sdp_optimizer_file(s)),
+                                    f"missing: optimizer state of shard rank {s} "
+                                    f"(sharded_data_parallel_degree {sdp})"))
+    for s, file in sorted(shards.items()):
+        if s >= sdp:
+            problems.append(Problem(file, f"shard rank {s} does not fit sharded_data_parallel_degree {sdp} (a file "
+                                    "of another save?)"))
+    if manifest is not None:
+        _check_manifest(layout)
+    return layout
+
+
+def _partition_count(shards: dict[int, str], problems: list[Problem]) -> int | None:
+    """Over how many ranks the first optimizer file says its state is partitioned (SMP wrote no configuration)."""
+    if not shards:
+        return None
+    first = shards[min(shards)]
+    try:
+        obj = load_weights(first, deepspeed_state=True)
+    except SMPCheckpointError as exc:
+        problems.append(Problem(first, str(exc).split(": ", 1)[-1]))
+        return len(shards)
+    return sdp_checkpoint.partition_count(obj) if isinstance(obj, dict) else len(shards)
 
 
 def _trainer_step(path: str) -> str | None:

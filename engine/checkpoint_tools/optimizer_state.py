@@ -123,8 +123,26 @@ def _sharded_stage(layout: CheckpointLayout, stage: int, rank: int,
     kind, count = partitioning(layout)
     files = shard_files(layout, stage, rank)
     names = parameter_names(layout.model_files[(stage, rank)], reader)
-    state = kind.unflatten(files, reader.tensors(layout.model_files[(stage, rank)]), list(names))
-    groups = [{**kind.hyperparameters(files[0], count), "params": list(names)}]
+    tensors = reader.tensors(layout.model_files[(stage, rank)])
+    if layout.param_groups is None or kind is not zero_partitions:
+        state = kind.unflatten(files, tensors, list(names))
+        groups = [{**kind.hyperparameters(files[0], count), "params": list(names)}]
+        return state, groups, names
+    # SMP's param_shapes: the flat partitions hold the groups' parameters one group after another
+    for index, group in enumerate(layout.param_groups):
+        for name in group:
+            if name not in tensors:
+                raise SMPCheckpointError(
+                    f"{layout.extras.get('user_content')}: param_shapes names {name!r} in optimizer parameter group "
+                    f"{index}, but {os.path.basename(layout.model_files[(stage, rank)])} holds no such tensor: the "
+                    "user content belongs to another model")
+    order = [name for group in layout.param_groups for name in group]
+    state = kind.unflatten(files, tensors, order, grouped=True)
+    settings = zero_partitions.group_settings(files[0], count)
+    if len(settings) != len(layout.param_groups):
+        raise SMPCheckpointError(f"{files[0]}: {len(settings)} optimizer parameter groups, but param_shapes in the "
+                                 f"user content lists {len(layout.param_groups)}: they are of different saves")
+    groups = [{**hyper, "params": list(group)} for hyper, group in zip(settings, layout.param_groups)]
     return state, groups, names
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from smp2ds.engine.core.checkpoint_format import LOAD_INFO
+from smp2ds.engine.core.checkpoint_format import LOAD_INFO, SDP_MODULE
 from smp2ds.engine.core.safe_load import deepspeed_globals
 from smp2ds.engine.exceptions import SMPCheckpointError
 
@@ -63,6 +63,8 @@ def model_tensors(path: str, mmap: bool = True) -> dict[str, torch.Tensor]:
     Anything but a dict of name -> tensor is refused, naming the file.
     """
     obj = load_weights(path, mmap=mmap)
+    if isinstance(obj, dict) and isinstance(obj.get(SDP_MODULE), dict):  # SMP's sharded-data-parallel model_0.pt
+        obj = _sdp_module(obj)
     if not isinstance(obj, dict):
         raise SMPCheckpointError(f"{path}: expected a model state dict (a dict of name -> tensor), "
                                  f"found a {type(obj).__name__}")
@@ -75,6 +77,12 @@ def model_tensors(path: str, mmap: bool = True) -> dict[str, torch.Tensor]:
                                      "a model state dict")
         out[key] = value
     return out
+
+
+def _sdp_module(obj: dict[str, Any]) -> dict[str, Any]:
+    """``module`` of SMP's ``model_0.pt``, in its order (SMP's empty placeholders of partitioned parameters kept:
+    :class:`~smp2ds.engine.checkpoint_tools.consolidate.ShardReader` fills them from the optimizer files)."""
+    return dict(obj[SDP_MODULE])
 
 
 def load_info(path: str) -> dict[str, Any]:

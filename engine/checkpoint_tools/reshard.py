@@ -99,6 +99,12 @@ def reshard(layout: CheckpointLayout, out: str, tp: int, pp: int, rdp: int = 1, 
     sdp = target_sdp(layout, sdp, rdp)
     _check(layout, entries, out, tp, pp)
     optim = optimizer_state.consolidate_optimizer(layout, entries, reader) if layout.optimizer_files else None
+    if optim is not None and layout.optimizer_sharded and len(optim["param_groups"]) > 1:
+        raise SMPUnsupportedError(
+            f"{layout.directory}: {len(optim['param_groups'])} optimizer parameter groups; reshard writes sharded "
+            "optimizer state of one group only (DeepSpeed's flat partitions do not record group boundaries); "
+            "allowed: checkpoints of one parameter group, or `consolidate --with-optimizer` / `export` to take "
+            "the state out by parameter name")
     full = dict(consolidate.iter_tensors(entries, reader))
     split = {e.key: e.split for e in entries}
     entry = fmt.partial_entry(tag)

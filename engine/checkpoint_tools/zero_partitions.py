@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.checkpoint_tools.reading import load_weights
+from smp2ds.engine.core import sdp_checkpoint
 from smp2ds.engine.exceptions import SMPCheckpointError, SMPUnsupportedError
 
 MASTER = "fp32_flat_groups"
@@ -43,7 +44,10 @@ def read_zero(file: str, stage: int) -> dict[str, Any]:
     Shared with :mod:`.zero1_partitions` (stage 1): both refuse 16-bit state and the other stage.
     """
     obj = load_weights(file, mmap=False, deepspeed_state=True)
+    if isinstance(obj, dict) and MASTER in obj:  # SMP's sharded-data-parallel layout: DeepSpeed's dict at the top
+        obj = sdp_checkpoint.engine_optimizer_state(obj)
     meta = obj.get("smp2ds") if isinstance(obj, dict) and isinstance(obj.get("smp2ds"), dict) else {}
+    # A file SMP wrote does not say its precision: its fp32 masters are checked against the weights instead.
     saved, precision = int(meta.get("zero_stage", 0)), meta.get("precision", "fp32")
     if saved != stage or precision != "fp32":
         what = {1: "shard_optimizer_state", 2: "ZeRO-2", 3: "sharded data parallelism"}.get(saved, "unsharded")
@@ -88,38 +92,46 @@ def split_entry(entry: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return {k: v for k, v in entry.items() if k not in moments}, moments
 
 
-def read(file: str, count: int) -> dict[str, Any]:
-    """The ZeRO-3 state dict of one rank's file, refused by name unless fp32 ZeRO-3 over ``count`` ranks."""
+def read(file: str, count: int, grouped: bool = False) -> dict[str, Any]:
+    """The ZeRO-3 state dict of one rank's file, refused by name unless fp32 ZeRO-3 over ``count`` ranks.
+
+    ``grouped``: the caller knows which parameters each optimizer parameter group holds (SMP's ``param_shapes``);
+    without it more than one group is refused.
+    """
     sd = read_zero(file, 3)
     if MASTER not in sd or INNER not in sd:
         raise SMPCheckpointError(f"{file}: not a ZeRO-3 optimizer state dict (no {MASTER} / {INNER})")
-    if int(sd.get("partition_count", count)) != count:
+    if sdp_checkpoint.partition_count(sd) != count:
         raise SMPCheckpointError(f"{file}: partitioned over {sd.get('partition_count')} ranks, but the checkpoint's "
                                  f"sharded_data_parallel_degree is {count}")
-    if len(sd[INNER]["param_groups"]) != 1:
+    if len(sd[INNER]["param_groups"]) != 1 and not grouped:
         raise SMPUnsupportedError(
-            f"{file}: {len(sd[INNER]['param_groups'])} optimizer parameter groups under sharded data parallelism; "
-            "which parameters each group's flat partition holds is not saved; allowed: one parameter group")
+            f"{file}: {len(sd[INNER]['param_groups'])} optimizer parameter groups under sharded data parallelism, "
+            "and the user content has no param_shapes saying which parameters each group's flat partition holds; "
+            "allowed: one parameter group, or user_content['param_shapes'] as SMP's GPT-2 example saves it")
     return sd
 
 
 def _flat(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """``{"param": master weights, moment: values}``, each one flat tensor over the shard's sub-groups."""
+    """``{"param": master weights, moment: values}``, each one flat tensor over the shard's groups and sub-groups
+    (in DeepSpeed's order: the groups one after another)."""
     inner = sd[INNER]
-    positions = inner["param_groups"][0]["params"]
+    positions = [p for group in inner["param_groups"] for p in group["params"]]
     out = {"param": torch.cat([t.reshape(-1) for t in sd[MASTER]])}
     for key in split_entry(inner["state"][positions[0]])[1]:
         out[key] = torch.cat([inner["state"][p][key].reshape(-1) for p in positions])
     return out
 
 
-def unflatten(files: list[str], tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, dict[str, Any]]:
+def unflatten(files: list[str], tensors: dict[str, torch.Tensor], names: list[str],
+              grouped: bool = False) -> dict[str, dict[str, Any]]:
     """``{name: Adam state}`` of one stage and tensor-parallel rank from its shard ranks' ``files``.
 
-    ``tensors``: the same rank's model-file weights; ``names``: its parameters in order.
+    ``tensors``: the same rank's model-file weights; ``names``: its parameters in the flat partitions' order
+    (``grouped``: the groups' names one group after another, as :func:`read` takes it).
     """
     count = len(files)
-    shards = [read(f, count) for f in files]
+    shards = [read(f, count, grouped) for f in files]
     flats = [_flat(sd) for sd in shards]
     sizes = [shard_size(tensors[n].numel(), count) for n in names]
     for file, flat in zip(files, flats):
@@ -137,8 +149,13 @@ def unflatten(files: list[str], tensors: dict[str, torch.Tensor], names: list[st
 
 def hyperparameters(file: str, count: int) -> dict[str, Any]:
     """The one parameter group's settings (learning rate, betas, ...) without its ``params``."""
-    group = read(file, count)[INNER]["param_groups"][0]
-    return {k: v for k, v in group.items() if k != "params"}
+    return group_settings(file, count)[0]
+
+
+def group_settings(file: str, count: int) -> list[dict[str, Any]]:
+    """Every parameter group's settings (learning rate, weight decay, ...) without its ``params``, in order."""
+    return [{k: v for k, v in group.items() if k != "params"}
+            for group in read(file, count, grouped=True)[INNER]["param_groups"]]
 
 
 def partition_state(template: dict[str, Any], names: list[str], weights: list[torch.Tensor],

@@ -4,7 +4,9 @@ DeepSpeed partitions by its own ``partition_method`` strings (uniform, parameter
 type); SMP's memory/compute cost and manual placement are neither, so this subclass replaces
 ``_partition_layers`` with the boundaries computed beforehand (the same on every rank). The rest
 of `PipelineModule` (building only the local layers, tied-weight groups, activation
-checkpointing) is DeepSpeed's own.
+checkpointing) is DeepSpeed's own, except that a stage's output is made contiguous before DeepSpeed
+sends it: point-to-point sends (gloo's and NCCL's) refuse a strided view, which a stage ending in a
+transpose or a slice returns (an encoder-decoder's stage outputs, for example).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
@@ -34,3 +37,16 @@ class PlannedPipelineModule(PipelineModule):
         self.parts = list(self._planned_parts)
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    def forward(self, forward_input: Any) -> Any:
+        """DeepSpeed's stage forward, every tensor of its output contiguous (what the next stage receives)."""
+        return contiguous(super().forward(forward_input))
+
+
+def contiguous(value: Any) -> Any:
+    """``value`` with each tensor (also inside tuples and lists) contiguous; already contiguous ones unchanged."""
+    if isinstance(value, torch.Tensor):
+        return value if value.is_contiguous() else value.contiguous()
+    if isinstance(value, (tuple, list)):
+        return type(value)(contiguous(v) for v in value)
+    return value

@@ -85,7 +85,8 @@ SNAPSHOT: dict[str, dict[str, object]] = {
                            "--seq-len", "--world-size", "-h/--help"],
                "positionals": []},
     "checkpoint": {"options": ["-h/--help"], "positionals": ["ACTION"]},
-    "checkpoint inspect": {"options": ["--format{json,text}=text", "--tag", "-h/--help"], "positionals": ["PATH"]},
+    "checkpoint inspect": {"options": ["--format{json,text}=text", "--tag", "--tensors", "-h/--help"],
+                           "positionals": ["PATH"]},
     "checkpoint consolidate": {
         "options": ["--format{pt,safetensors}=safetensors", "--out", "--quiet", "--tag", "--with-optimizer",
                     "-h/--help"],

@@ -112,13 +112,22 @@ def loss_of(result) -> float:
 
 
 # ---- the worker -------------------------------------------------------------------------------------
-def _seq_under_partition_contexts() -> nn.Module:
-    """make_model('seq') built layer by layer under smp.partition contexts (same seed, same weights)."""
+class _ColumnMajorTanh(nn.Tanh):
+    """Tanh whose output is a strided (column-major) view, as a stage output of a transposing layer is: the
+    pipeline sends it to the next stage, and point-to-point sends refuse non-contiguous tensors."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).t().contiguous().t()
+
+
+def _seq_under_partition_contexts(strided: bool = False) -> nn.Module:
+    """make_model('seq') built layer by layer under smp.partition contexts (same seed, same weights);
+    ``strided``: the first stage's output is a non-contiguous view of the same values."""
     from smp2ds.engine.pipeline import partition
 
     torch.manual_seed(0)
     with partition(0):
-        a = [nn.Linear(12, 16), nn.Tanh()]
+        a = [nn.Linear(12, 16), _ColumnMajorTanh() if strided else nn.Tanh()]
     with partition(1):
         b = [nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)]
     return nn.Sequential(*a, *b)
@@ -141,7 +150,8 @@ def _train_case(case: dict) -> dict:
     topo = Topology.for_world(world, pp=2, placement=case.get("placement", "cluster"))
     kind, manual = case["kind"], case.get("manual")
     clear_partitions()
-    model = _seq_under_partition_contexts() if manual == "contexts" else make_model(kind)
+    model = (_seq_under_partition_contexts(manual == "strided") if manual in ("contexts", "strided")
+             else make_model(kind))
     if manual == "set_partition":
         _manual_gpt2(model)
     cfg = {"pipeline_parallel_degree": 2, "microbatches": MICRO, "pipeline": case["pipeline"], "ddp": True,
@@ -292,6 +302,7 @@ CASES_PP2 = [
     {"kind": "seq", "pipeline": "interleaved", "active": 1},
     {"kind": "gpt2", "pipeline": "interleaved", "manual": "set_partition"},
     {"kind": "seq", "pipeline": "simple", "manual": "contexts"},
+    {"kind": "seq", "pipeline": "interleaved", "manual": "strided"},
 ]
 
 CASES_PP2_DP2 = [

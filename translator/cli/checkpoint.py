@@ -29,6 +29,8 @@ def checkpoint_command_parser(subparsers: Any = None) -> argparse.ArgumentParser
     ins = actions.add_parser("inspect", help="layout, tag, parameters and problems of a checkpoint folder")
     _add_path(ins)
     ins.add_argument("--format", choices=("text", "json"), default="text", help="a table for people or JSON")
+    ins.add_argument("--tensors", action="store_true", help="also list every tensor of the full state dict: name, "
+                     "shape, dtype and the dimension tensor parallelism cuts")
 
     con = actions.add_parser("consolidate", help="partial files -> one full state dict (safetensors or .pt)")
     _add_path(con)
@@ -43,7 +45,8 @@ def checkpoint_command_parser(subparsers: Any = None) -> argparse.ArgumentParser
                              "a torch.distributed.checkpoint (DCP) directory or a DeepSpeed universal checkpoint")
     _add_path(exp)
     exp.add_argument("--to", required=True, nargs=2, metavar=("FORMAT", "DIR"),
-                     help="hf DIR (needs --config or --model-type); dcp DIR (model and optimizer state by "
+                     help="hf DIR (with --config or --model-type, else the model_config the checkpoint's user content "
+                     "holds); dcp DIR (model and optimizer state by "
                      "parameter name, for dcp.load + set_state_dict at any world size); deepspeed-universal DIR "
                      "(DeepSpeed's universal checkpoint: load_universal at any ZeRO stage and data-parallel size)")
     source = exp.add_mutually_exclusive_group()
@@ -83,7 +86,7 @@ def checkpoint_command(args: argparse.Namespace) -> int:
 
     try:
         if args.action == "inspect":
-            return commands.inspect(args.path, args.tag, args.format)
+            return commands.inspect(args.path, args.tag, args.format, tensors=args.tensors)
         if args.action == "consolidate":
             return commands.consolidate(args.path, args.out, args.format, args.tag, args.with_optimizer, args.quiet)
         if args.action == "reshard":
