@@ -9,6 +9,7 @@ step for a model that is only evaluated.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -68,6 +69,16 @@ def _refuse_modules_of_another_group(module: torch.nn.Module, context: parallel_
             "smp.nn modules after smp.init()")
 
 
+_log = logging.getLogger("smp2ds")
+
+
+def distributed_transformer_note(count: int, tp: int) -> str:
+    """The rank-0 line logged when ``smp.DistributedModel`` swaps models for SMP's distributed transformer."""
+    return (f"smp.DistributedModel: {count} Hugging Face model part(s) replaced by SMP's distributed transformer "
+            f"(tensor_parallel_degree {tp}); state dicts and partial checkpoints use SMP's names "
+            "(transformer.seq_layers.*), save_pretrained and `smp2ds checkpoint export --to hf` translate them back")
+
+
 class DistributedModel(torch.nn.Module):
     """Wrap ``module`` for SMP training; one per process (``smp.reset()`` allows another)."""
 
@@ -111,7 +122,11 @@ class DistributedModel(torch.nn.Module):
         context = parallel_context.installed()  # smp.init's: the group smp.nn modules must have been built for
         _refuse_modules_of_another_group(module, context)
         # SMP's distributed transformer replaces marked models (any tp degree)
+        replaced_before = len(state.module_manager.translate_functions)
         module = prepare_module(module, context)
+        replaced = len(state.module_manager.translate_functions) - replaced_before
+        if replaced and state.groups.rank == 0:
+            _log.info("%s", distributed_transformer_note(replaced, context.tp.size))
         self.add_module("module", module)  # the `module` property returns SMP's wrapper chain
         settings = state.plan.engine_settings
         object.__setattr__(self, "_wrapper_view", wrapper_views.wrapper_chain(

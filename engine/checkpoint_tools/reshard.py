@@ -66,8 +66,12 @@ def target_sdp(layout: CheckpointLayout, sdp: int | None, rdp: int) -> int:
             "parallelism on or off (ZeRO-3 files carry DeepSpeed state an unsharded checkpoint lacks); allowed: "
             + ("--sdp 1" if layout.sdp == 1 else "--sdp values above 1 that divide the new rdp"))
     if rdp % new:
+        choices = [s for s in range(2, rdp + 1) if rdp % s == 0]
+        allowed = (f"--sdp one of {choices}" if choices else
+                   f"no --sdp at rdp {rdp}: sharded data parallelism needs a reduced data-parallel degree of 2 or "
+                   f"more; give --rdp R or --world W so that {new} divides R")
         raise SMPInvalidArgumentError(f"--sdp {new} does not divide the new reduced data-parallel degree {rdp}; "
-                                      f"allowed: {[s for s in range(2, rdp + 1) if rdp % s == 0] or 'none'}")
+                                      f"allowed: {allowed}")
     return new
 
 

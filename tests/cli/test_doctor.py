@@ -162,3 +162,12 @@ def test_version_table_is_injectable(have, status):
     [finding] = rules.check_versions({"deepspeed": have}, table)
     assert finding.status == status
     assert rules.exit_code([finding]) == (status == "problem")
+
+
+@pytest.mark.parametrize(("have", "status"), [("2.0.1", "problem"), ("2.8.0", "warn"), ("2.13.0+cpu", "ok")])
+def test_torch_installs_from_its_floor_but_is_tested_on_one_release(have, status):
+    """torch installs from 2.1 (pip must not replace a GPU build) but the suite runs 2.13 only: below that a
+    warning that says so, not the claim that the range is tested."""
+    [finding] = rules.check_versions({"torch": have}, {"torch": rules.TESTED["torch"]})
+    assert finding.status == status
+    assert "tested 2.13.0 .. 2.13.0" in finding.detail

@@ -8,6 +8,7 @@ optimizer's parameters by group, in DeepSpeed's order, named by ``model.module.n
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Any
 
@@ -59,8 +60,26 @@ def buffer_names(model: Any) -> list[str]:
     return out
 
 
+class _Records(logging.Handler):
+    """What the ``smp2ds`` logger says while the model is wrapped."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _setup(smp: Any, model_kind: str, seed: int) -> tuple[Any, Any, Any]:
-    model = smp.DistributedModel(build(smp, model_kind, seed))
+    records, logger = _Records(), logging.getLogger("smp2ds")
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        model = smp.DistributedModel(build(smp, model_kind, seed))
+    finally:
+        logger.removeHandler(records)
+    model.wrap_log = records.lines  # type: ignore[attr-defined]
     opt = smp.DistributedOptimizer(torch.optim.AdamW(param_groups(model), lr=0.01, eps=1e-6))
 
     @smp.step
@@ -102,7 +121,7 @@ def train_and_save(model_kind: str, root: str, seed: int = 7) -> dict:
     smp.barrier()
     if smp.rank() != 0:
         return {}
-    return plain({"losses": losses[SAVE_AT:], "final": dict(final), **out})
+    return plain({"losses": losses[SAVE_AT:], "final": dict(final), "wrap_log": model.wrap_log, **out})
 
 
 def resume_and_train(model_kind: str, path: str, tag: str | None = None) -> dict:

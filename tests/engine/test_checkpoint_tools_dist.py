@@ -347,6 +347,9 @@ def test_reshard_refuses_what_it_cannot_recut_before_writing(runs, tmp_path, cap
          "allowed: --sdp values above 1"),
         ([os.path.join(pp_root, "gpt2"), "--tp", "2", "--pp", "2", "--sdp", "2"], "allowed: --sdp 1"),
         ([os.path.join(sdp_root, "gpt2"), "--tp", "1", "--pp", "1", "--rdp", "3"], "--sdp 2 does not divide"),
+        ([os.path.join(sdp_root, "gpt2"), "--tp", "2", "--pp", "1"],  # rdp 1: no sdp divides it; say what works
+         "allowed: no --sdp at rdp 1: sharded data parallelism needs a reduced data-parallel degree of 2 or more; "
+         "give --rdp R or --world W"),
     ]
     for argv, message in cases:
         assert main(["checkpoint", "reshard", *argv, "--out", str(out)]) == 2, argv

@@ -7,7 +7,7 @@ and the user content's ``param_shapes`` / ``buffer_names``. Proofs here:
 
 * the helper's documented algorithm (re-implemented below from its description) rebuilds, from our checkpoint, the
   model the run trained, equal to ``smp2ds checkpoint export --to hf`` (Hugging Face GPT-2, and SMP's distributed
-  transformer translated to Hugging Face names);
+  transformer translated to Hugging Face names), which takes the model's config from the user content;
 * a checkpoint resumes and continues equal to the uninterrupted run, both as smp2ds writes it and as SMP wrote it
   (parameters as empty placeholders, their values only in the optimizer files, no manifest or smp2ds facts);
 * the offline tools read SMP-written folders and give what they give for ours; what they cannot read is named.
@@ -84,6 +84,13 @@ def _cli(*args: str) -> int:
     return main(["checkpoint", *args])
 
 
+def test_the_switch_to_the_distributed_transformer_is_logged_once_on_rank_0(runs):
+    assert runs["gpt2"][1]["wrap_log"] == []
+    [line] = runs["gpt2_replaced"][1]["wrap_log"]
+    assert line.startswith("smp.DistributedModel: 1 Hugging Face model part(s) replaced by SMP's distributed "
+                           "transformer (tensor_parallel_degree 1)")
+
+
 def test_the_folder_is_smps_layout(runs):
     root, _ = runs["gpt2"]
     with open(os.path.join(root, "newest")) as handle:
@@ -109,8 +116,8 @@ def test_smp_helper_rebuilds_the_trained_model_equal_to_the_hf_export(runs, tmp_
     assert set(trained) - set(full) <= {"lm_head.weight", "lm_head.bias"}  # the tied head: "not reflected"
     if model == "gpt2_replaced":
         full = translate_state_dict_to_hf_gpt2(full, max_seq_len=16)
-    assert _cli("export", root, "--to", "hf", str(tmp_path / "hf"), "--model-type", "gpt2",
-                "--num-attention-heads", "4") == 0
+    # no --config / --model-type: the final save's user content holds model_config, as SMP's script saves it
+    assert _cli("export", root, "--to", "hf", str(tmp_path / "hf")) == 0
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert set(full) ^ set(exported) <= {"lm_head.weight"}  # a tied head is stored once (or not at all)
     for name in set(full) & set(exported):
@@ -186,3 +193,5 @@ def test_what_cannot_be_read_is_named(runs, tmp_path, capsys):
     os.remove(os.path.join(folder, "optimizer_1.pt"))
     assert _cli("inspect", smp_root) == 1
     assert "optimizer_1.pt: missing: optimizer state of shard rank 1" in capsys.readouterr().out
+    assert _cli("export", os.path.join(root, "step2"), "--to", "hf", str(tmp_path / "hf")) == 2  # no model_config
+    assert "the checkpoint's user content holds no model_config" in capsys.readouterr().err

@@ -38,12 +38,19 @@ class Tested:
     newest: str
     required: bool = True
     """False for extras (accelerate: only the Hugging Face Trainer path needs it)."""
+    tested_from: str | None = None
+    """The oldest release the suite runs when it is above ``floor`` (installable, warned below this)."""
+
+    @property
+    def oldest_tested(self) -> str:
+        return self.tested_from or self.floor
 
 
 TESTED: dict[str, Tested] = {
     # Floors are pyproject.toml's (the dependency job .ci/floor runs exactly them); newest is what the
     # main suite ran on. A newer release is a warning, not a problem: it usually works.
-    "torch": Tested("2.1", "2.13.0"),
+    # torch installs from 2.1 (pip must not replace a GPU build), but only the 2.13 CPU build is tested here.
+    "torch": Tested("2.1", "2.13.0", tested_from="2.13.0"),
     "deepspeed": Tested("0.19.7", "0.19.8"),
     "transformers": Tested("4.41.0", "5.24.0"),
     "accelerate": Tested("1.3", "1.15.0", required=False),
@@ -72,14 +79,18 @@ def check_versions(installed: Mapping[str, str | None], tested: Mapping[str, Tes
             why = "" if rng.required else " (only the Hugging Face Trainer path needs it)"
             out.append(Finding(name, status, f"not installed{why}", pin if rng.required else ""))
         elif version_tuple(have) < version_tuple(rng.floor):
-            out.append(Finding(name, "problem", f"{have} is older than {rng.floor}, the oldest release we test "
-                               f"(tested {rng.floor} .. {rng.newest})",
+            out.append(Finding(name, "problem", f"{have} is older than {rng.floor}, the oldest release we support "
+                               f"(tested {rng.oldest_tested} .. {rng.newest})",
                                pin))
+        elif version_tuple(have) < version_tuple(rng.oldest_tested):
+            out.append(Finding(name, "warn", f"{have} installs (from {rng.floor}) but is older than "
+                               f"{rng.oldest_tested}, the oldest release we test (tested {rng.oldest_tested} .. "
+                               f"{rng.newest})"))
         elif version_tuple(have) > version_tuple(rng.newest):
             out.append(Finding(name, "warn", f"{have} is newer than {rng.newest}, the newest release we test "
-                               f"(tested {rng.floor} .. {rng.newest})"))
+                               f"(tested {rng.oldest_tested} .. {rng.newest})"))
         else:
-            out.append(Finding(name, "ok", f"{have} (tested {rng.floor} .. {rng.newest})"))
+            out.append(Finding(name, "ok", f"{have} (tested {rng.oldest_tested} .. {rng.newest})"))
     return out
 
 
