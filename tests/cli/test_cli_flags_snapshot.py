@@ -23,6 +23,7 @@ SNAPSHOT: dict[str, dict[str, object]] = {
             "--channel",
             "--checkpoint-dir",
             "--cpu",
+            "--efa",
             "--format{json,text}=text",
             "--gpus-per-node",
             "--image",

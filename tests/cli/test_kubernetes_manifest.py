@@ -85,8 +85,11 @@ def test_manifest_is_a_valid_pytorchjob_with_the_plans_replicas_and_gpus(tmp_pat
     for replica in replicas.values():
         container = replica["template"]["spec"]["containers"][0]
         assert container["name"] == "pytorch" and container["image"] == "registry.example/train:1"
-        assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+        assert container["resources"] == {"requests": {"nvidia.com/gpu": 8}, "limits": {"nvidia.com/gpu": 8}}
         assert container["ports"] == [{"name": "pytorchjob-port", "containerPort": 23456}]
+        # a memory-backed /dev/shm: the runtime's 64 MB default crashes NCCL and DataLoader workers
+        assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+        assert replica["template"]["spec"]["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     json_text = convert([estimator_file(tmp_path), "--to", "kubernetes", "--image", "registry.example/train:1",
                          "--format", "json"], capsys)
     assert json.loads(json_text) == manifest  # the same manifest, as JSON
@@ -112,7 +115,7 @@ def test_each_pod_runs_torchrun_with_its_node_name_and_every_variable(tmp_path, 
                                    "--format", "json"], capsys))
     validate(manifest)
     worker = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
-    assert "resources" not in worker  # --cpu: no GPUs asked for
+    assert worker["resources"] == {"requests": {"cpu": 8}, "limits": {"cpu": 8}}  # --cpu: a core per rank, no GPU
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     report = tmp_path / "report.json"
@@ -190,3 +193,25 @@ def test_the_strict_schema_catches_a_misspelled_field_or_a_wrong_type():
 def test_bad_flags_are_usage_errors_naming_the_flag(tmp_path, capsys, argv, message):
     assert main(["convert", estimator_file(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+EFA_OPTIONS = "-x FI_EFA_USE_DEVICE_RDMA=1 -x FI_PROVIDER=efa -x RDMAV_FORK_SAFE=1"
+
+
+def test_efa_settings_are_left_out_unless_asked_and_then_the_pods_ask_for_efa_devices(tmp_path, capsys):
+    mpi = {"enabled": True, "processes_per_host": 8, "custom_mpi_options": EFA_OPTIONS}
+    path = estimator_file(tmp_path, distribution={**ESTIMATOR["distribution"], "mpi": mpi})
+    plain = json.loads(convert([path, "--to", "kubernetes", "--image", "i", "--format", "json"], capsys))
+    validate(plain)
+    container = plain["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert not {e["name"] for e in container["env"]} & {"FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "RDMAV_FORK_SAFE"}
+    assert plain["metadata"]["annotations"]["smp2ds/left-out-env"].startswith(
+        "FI_EFA_USE_DEVICE_RDMA,FI_PROVIDER,RDMAV_FORK_SAFE (AWS EFA settings; convert with --efa")
+    assert "vpc.amazonaws.com/efa" not in container["resources"]["limits"]
+    efa = json.loads(convert([path, "--to", "kubernetes", "--image", "i", "--format", "json", "--efa"], capsys))
+    validate(efa)
+    container = efa["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert (env["FI_PROVIDER"], env["FI_EFA_USE_DEVICE_RDMA"], env["RDMAV_FORK_SAFE"]) == ("efa", "1", "1")
+    assert container["resources"]["requests"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 4}  # p4d: 4
+    assert "annotations" not in efa["metadata"]

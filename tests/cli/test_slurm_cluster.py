@@ -3,8 +3,9 @@
 The test writes a ``slurm.conf`` for this host alone (one node with 2 CPUs: several nodes on one host need a
 Slurm built with ``--enable-multiple-slurmd``), starts ``munged`` (with a key it generates), ``slurmctld`` and
 ``slurmd`` in the foreground with every state, spool and log file in a temporary folder, and submits the sbatch
-script that ``smp2ds convert --to slurm --cpu`` wrote for ``examples/train_smp_mlp.py`` (unchanged) with
-``sbatch --wait``: srun starts torchrun on the node, torchrun the 2 ranks. The run must train and print the same final
+script that ``smp2ds convert --to slurm --cpu`` wrote for ``examples/train_smp_mlp.py`` (unchanged; named by the
+estimator's ``source_dir`` and a relative ``entry_point``) with ``sbatch --wait``: the node taken whole
+(``--exclusive``, srun's one task with every CPU of it), srun starts torchrun on the node, torchrun the 2 ranks. The run must train and print the same final
 weights digest as plain ``torchrun`` with the same ``SM_HP_MP_PARAMETERS`` (as ``tests/engine/test_launchers.py``
 runs it), write its weights and checkpoint into the folders given to ``--output-dir`` / ``--checkpoint-dir``, and
 ``smp2ds launch`` inside ``srun`` must take its defaults from the allocation. Every daemon the test started is
@@ -155,7 +156,9 @@ def _plain_torchrun_argv() -> list[str]:
 @pytest.mark.slow
 def test_sbatch_script_trains_the_example_like_plain_torchrun(cluster, tmp_path, capsys):
     spec = {
-        "entry_point": str(SCRIPT), "instance_type": "ml.g5.12xlarge", "instance_count": 1,
+        # source_dir + a relative entry point: the script cds there first, as SageMaker ran the entry point from it
+        "entry_point": SCRIPT.name, "source_dir": str(SCRIPT.parent), "instance_type": "ml.g5.12xlarge",
+        "instance_count": 1,
         # SageMaker's paths, mapped by --output-dir / --checkpoint-dir; batch-size is a hyphenated name
         "hyperparameters": {"steps": STEPS, "batch-size": BATCH, "lr": LR, "dump-weights": "/opt/ml/model/final.pt",
                             "checkpoint-dir": "/opt/ml/checkpoints"},

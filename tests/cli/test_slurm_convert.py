@@ -45,11 +45,13 @@ def estimator(tmp_path: Path) -> str:
 def test_sbatch_script_asks_for_the_plans_nodes_and_starts_torchrun_once_per_node(estimator, capsys):
     text = convert([estimator, "--to", "slurm", "--sbatch=--partition=gpu", "--sbatch=--time=02:00:00"], capsys)
     assert text.startswith("#!/bin/bash\n#SBATCH --job-name=smp2ds-gpt_job\n#SBATCH --nodes=2\n"
-                           "#SBATCH --ntasks-per-node=1\n#SBATCH --gpus-per-node=8\n#SBATCH --partition=gpu\n"
-                           "#SBATCH --time=02:00:00\n")
+                           "#SBATCH --ntasks-per-node=1\n#SBATCH --exclusive\n#SBATCH --gpus-per-node=8\n"
+                           "#SBATCH --partition=gpu\n#SBATCH --time=02:00:00\n")
     assert '\nMASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"\n' in text
     srun = text.strip().splitlines()[-1]
-    assert srun.startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 sh -c "
+    # the node's one task takes all its CPUs: torchrun's ranks and their data loaders are not bound to one core
+    assert srun.startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=\"$SLURM_CPUS_ON_NODE\" "
+                           "--kill-on-bad-exit=1 sh -c "
                            "'export SM_CURRENT_HOST=\"algo-$((SLURM_NODEID + 1))\"; exec \"$@\"' smp2ds-node "
                            "env SM_HP_CHECKPOINT-DIR=/opt/ml/checkpoints torchrun ")
     assert ('torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$RDZV_PORT" '
@@ -198,3 +200,20 @@ def test_outside_slurm_nothing_changes(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert launch_defaults({"PATH": "/bin"}) is None
     assert launch_defaults({**STEP, "SLURM_NODEID": "0"}, nnodes=4)["node_rank"] == 0
+
+
+def test_the_script_runs_from_source_dir_and_efa_settings_need_asking(tmp_path, capsys):
+    spec = {**ESTIMATOR, "source_dir": "gpt2", "distribution": {**ESTIMATOR["distribution"], "mpi": {
+        "enabled": True, "processes_per_host": 8,
+        "custom_mpi_options": "-x FI_EFA_USE_DEVICE_RDMA=1 -x FI_PROVIDER=efa -x RDMAV_FORK_SAFE=1"}}}
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(spec), encoding="utf-8")
+    text = convert([str(path), "--to", "slurm"], capsys)
+    lines = text.splitlines()
+    cd = lines.index('cd "${SLURM_SUBMIT_DIR:-.}"/gpt2  # the estimator\'s source_dir: SageMaker ran the entry point '
+                     "from it")
+    assert cd < next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert not [line for line in lines if line.startswith(("export FI_", "export RDMAV_"))]
+    assert "# left out: FI_EFA_USE_DEVICE_RDMA, FI_PROVIDER, RDMAV_FORK_SAFE (AWS's EFA settings" in text
+    kept = convert([str(path), "--to", "slurm", "--efa"], capsys)
+    assert "export FI_PROVIDER=efa" in kept and "export FI_EFA_USE_DEVICE_RDMA=1" in kept and "left out" not in kept

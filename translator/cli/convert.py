@@ -92,6 +92,9 @@ def convert_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     cluster.add_argument("--image", metavar="IMAGE",
                          help="--to kubernetes (required): the container image with the script, smp2ds and torch")
     cluster.add_argument("--namespace", metavar="NS", help="--to kubernetes: the PyTorchJob's namespace")
+    cluster.add_argument("--efa", action="store_true",
+                         help="keep the estimator's EFA variables (FI_*, RDMAV_FORK_SAFE) for a cluster on AWS, and "
+                         "request EFA interfaces per pod (default: left out, and the file says so)")
     add_format_arg(parser)
     parser.set_defaults(handler=convert_command)
     return parser
@@ -123,7 +126,7 @@ def convert_command(args: argparse.Namespace) -> int:
     if args.to in LAUNCH_TARGETS:
         text = render_launch(result, args.to, args.format, _entry_point(document), config, _local_paths(args))
     elif args.to in CLUSTER_TARGETS:
-        text = render_cluster(result, args, _entry_point(document), config)
+        text = render_cluster(result, args, _entry_point(document), config, _source_dir(document))
     else:
         text = render(result, args.to, args.format)
     if args.output:
@@ -171,7 +174,8 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
         raise UsageError("--job-name must not be empty")
 
 
-def render_cluster(result: Any, args: argparse.Namespace, entry_point: str | None, config: Any) -> str:
+def render_cluster(result: Any, args: argparse.Namespace, entry_point: str | None, config: Any,
+                   source_dir: str | None = None) -> str:
     """``--to slurm``: the sbatch script (``--format json``: its parts); ``--to kubernetes``: the PyTorchJob, as
     YAML, or JSON with ``--format json``, ``-o FILE.json`` or without PyYAML."""
 
@@ -179,7 +183,9 @@ def render_cluster(result: Any, args: argparse.Namespace, entry_point: str | Non
 
     ddp_port = config.given.get("ddp_port")
     ddp_port = ddp_port if isinstance(ddp_port, int) and not isinstance(ddp_port, bool) else None
-    job = cluster_job(result.launcher, entry_point, _local_paths(args), ddp_port)
+    job = cluster_job(result.launcher, entry_point, _local_paths(args), ddp_port,
+                      source_dir=source_dir, efa=args.efa)
+    job["instance_type"] = config.instance_type
     instance = f"{config.instance_count} x {config.instance_type}" if config.instance_type else None
     if args.to == "slurm":
 
@@ -202,6 +208,12 @@ def _outputs(args: argparse.Namespace) -> list[str]:
 
         return [args.output, deepspeed_json_path(args.output)]
     return [args.output]
+
+
+def _source_dir(document: Any) -> str | None:
+    """The estimator's ``source_dir`` (the folder SageMaker ran the entry point from), when it names one."""
+    value = document.get("source_dir") if isinstance(document, dict) else None
+    return value if isinstance(value, str) and value else None
 
 
 def _entry_point(document: Any) -> str | None:

@@ -16,12 +16,23 @@ from typing import Any
 TORCHRUN_FLAGS = ("--nnodes", "--nproc-per-node", "--node-rank", "--master-addr", "--master-port")
 """The flags, each with one value, that the plan's torchrun command has before the script."""
 
+EFA_PREFIXES = ("FI_", "RDMAV_FORK_SAFE")
+"""Variables of AWS's Elastic Fabric Adapter (libfabric's ``FI_*``; ``RDMAV_FORK_SAFE`` for its verbs): SageMaker
+estimators export them through ``custom_mpi_options``; off AWS ``FI_PROVIDER=efa`` makes NCCL's libfabric plugin
+look for a device that is not there."""
+
+
+def is_efa_variable(name: str) -> bool:
+    return name.startswith(EFA_PREFIXES)
+
 
 def cluster_job(launcher: Mapping[str, Any], entry_point: str | None, paths: Mapping[str, Any] | None,
-                ddp_port: int | None) -> dict[str, Any]:
+                ddp_port: int | None, *, source_dir: str | None = None, efa: bool = False) -> dict[str, Any]:
     """The job: ``nodes``, ``nproc_per_node``, ``world_size``, ``hosts``, ``env`` (name -> value), ``script``
-    (the argv after ``torchrun``: the entry point and its arguments), ``ddp_port`` (SMP's, or None) and
-    ``mapped_dirs`` (the local folders SageMaker's model, output data and checkpoint paths became)."""
+    (the argv after ``torchrun``: the entry point and its arguments), ``ddp_port`` (SMP's, or None),
+    ``mapped_dirs`` (the local folders SageMaker's model, output data and checkpoint paths became),
+    ``source_dir`` (the estimator's: SageMaker ran the entry point from it) and ``efa`` with ``left_out`` (the
+    EFA variables dropped from ``env`` unless ``efa`` keeps them)."""
     from smp2ds.translator.cli.launch_script import launch_spec
     from smp2ds.translator.tools.sagemaker_paths import map_paths
 
@@ -35,7 +46,12 @@ def cluster_job(launcher: Mapping[str, Any], entry_point: str | None, paths: Map
             mapped += [env["SM_MODEL_DIR"], env["SM_OUTPUT_DATA_DIR"]]
         if paths.get("checkpoint_dir"):
             mapped.append(str(paths["checkpoint_dir"]))
+    left_out = [] if efa else sorted(name for name in env if is_efa_variable(name))
+    env = {name: value for name, value in env.items() if name not in left_out}
     return {
+        "source_dir": source_dir,
+        "efa": efa,
+        "left_out": left_out,
         "nodes": int(spec["nodes"]),
         "nproc_per_node": int(spec["nproc_per_node"]),
         "world_size": int(spec["world_size"]),

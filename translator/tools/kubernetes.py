@@ -10,6 +10,11 @@ flags, so the container runs ``torchrun SCRIPT ARGS`` with the SageMaker environ
 can export, so every variable goes into ``env`` as it is. Kubernetes expands ``$(NAME)`` in a container's command
 and environment, so every ``$`` is written ``$$`` (which Kubernetes turns back into ``$``).
 
+Every pod mounts a memory-backed ``/dev/shm`` (the container runtime's 64 MB default is too small for NCCL and
+DataLoader workers) and requests what it limits: the node's GPUs, or with ``--cpu`` one core per rank. AWS's EFA
+variables of the estimator are left out (named in the annotation ``smp2ds/left-out-env``) unless ``--efa`` keeps
+them; then each pod also asks for the instance's EFA interfaces (``vpc.amazonaws.com/efa``, AWS's device plugin).
+
 Rendered as YAML when PyYAML is importable, else as JSON (``kubectl apply -f`` reads both).
 """
 
@@ -72,9 +77,25 @@ def container(job: Mapping[str, Any], image: str, gpus: bool) -> dict[str, Any]:
         "env": env,
         "ports": [{"name": "pytorchjob-port", "containerPort": free_of(OPERATOR_PORT, job.get("ddp_port"))}],
     }
-    if gpus:
-        spec["resources"] = {"limits": {"nvidia.com/gpu": nproc}}
+    wanted: dict[str, Any] = {"nvidia.com/gpu": nproc} if gpus else {"cpu": nproc}
+    if job.get("efa"):
+        wanted[EFA_RESOURCE] = efa_interfaces(job.get("instance_type"))
+    spec["resources"] = {"requests": dict(wanted), "limits": dict(wanted)}
+    spec["volumeMounts"] = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
     return spec
+
+
+SHM_VOLUME = "dshm"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+_EFA_INTERFACES = {"p4d.24xlarge": 4, "p4de.24xlarge": 4, "p5.48xlarge": 32, "p5e.48xlarge": 32,
+                   "p5en.48xlarge": 16, "trn1.32xlarge": 8, "trn1n.32xlarge": 16}
+"""EFA network interfaces per instance type (AWS's published figures); other types: 1."""
+
+
+def efa_interfaces(instance_type: str | None) -> int:
+    """How many EFA interfaces a pod on ``instance_type`` (``ml.`` prefix allowed) asks for."""
+    name = (instance_type or "").removeprefix("ml.")
+    return _EFA_INTERFACES.get(name, 1)
 
 
 def pytorchjob(job: Mapping[str, Any], *, name: str, image: str, gpus: bool = True,
@@ -84,12 +105,16 @@ def pytorchjob(job: Mapping[str, Any], *, name: str, image: str, gpus: bool = Tr
 
     def replica(count: int) -> dict[str, Any]:
         return {"replicas": count, "restartPolicy": "OnFailure",
-                "template": {"spec": {"containers": [container(job, image, gpus)]}}}
+                "template": {"spec": {"containers": [container(job, image, gpus)],
+                                      "volumes": [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]}}}
 
     replicas = {"Master": replica(1)}
     if nodes > 1:
         replicas["Worker"] = replica(nodes - 1)
     metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/created-by": "smp2ds"}}
+    if job.get("left_out"):
+        metadata["annotations"] = {"smp2ds/left-out-env": ",".join(job["left_out"]) + " (AWS EFA settings; "
+                                   "convert with --efa to keep them)"}
     if namespace:
         metadata["namespace"] = namespace
     return {
