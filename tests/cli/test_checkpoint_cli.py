@@ -25,7 +25,9 @@ def test_help_lists_the_actions_and_flags(capsys):
 def test_usage_errors_exit_2():
     assert main(["checkpoint"]) == 2  # an action is required
     assert main(["checkpoint", "consolidate", "somewhere"]) == 2  # --out is required
-    assert main(["checkpoint", "export", "somewhere", "--to", "hf", "d"]) == 2  # --config or --model-type
+    # --config and --model-type both (neither is allowed: the user content's model_config is then used)
+    assert main(["checkpoint", "export", "somewhere", "--to", "hf", "d", "--config", "c.json",
+                 "--model-type", "gpt2"]) == 2
     assert main(["checkpoint", "inspect", "x", "--format", "yaml"]) == 2
 
 
