@@ -258,12 +258,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "rdp_size": state.groups.topology.rdp,
         }
 
+    def _position_names(self) -> list[list[str]] | None:
+        """Per parameter group, the name of each parameter the saved state numbers by position (PyTorch's own
+        optimizer state: unsharded fp32), so offline tools match state to parameters however the script grouped
+        them; None where the state is DeepSpeed's flat partitions or a parameter has no name here."""
+        opt = self.ds_optimizer
+        if opt is not self.optimizer:
+            return None
+        names = {id(p): n for n, p in self._model.get_module().named_parameters()}
+        groups = [[names.get(id(p)) for p in group["params"]] for group in opt.param_groups]
+        return None if any(n is None for group in groups for n in group) else groups  # type: ignore[return-value]
+
     def local_state_dict(
         self, cast_to_cpu: bool = True, gather_if_shard: bool = True, fp32_states_only: bool = False
     ) -> dict[str, Any]:
-        """This rank's optimizer state (its ZeRO partition with ``shard_optimizer_state``)."""
+        """This rank's optimizer state (its ZeRO partition with ``shard_optimizer_state``); the ``smp2ds`` entry
+        also names the parameters of each group where the state numbers them by position."""
         sd = self.backend.optimizer_state_dict()
-        return {"ds_optimizer": _cpu_tree(sd) if cast_to_cpu else sd, "smp2ds": self._meta(), PARTIAL_MARK: True}
+        meta = self._meta()
+        names = self._position_names()
+        if names is not None:
+            meta["param_names"] = names
+        return {"ds_optimizer": _cpu_tree(sd) if cast_to_cpu else sd, "smp2ds": meta, PARTIAL_MARK: True}
 
     local_optimizer_state_dict = local_state_dict
 

@@ -14,6 +14,7 @@ from smp2ds.engine.checkpoint_tools import consolidate as consolidation
 from smp2ds.engine.checkpoint_tools import (
     dcp_export,
     hf_export,
+    hf_naming,
     inspect_report,
     layout,
     optimizer_state,
@@ -91,31 +92,58 @@ EXPORT_FORMATS = ("hf", "dcp", "deepspeed-universal")
 
 
 def export(path: str, to: str, out_dir: str, tag: str | None, config: str | None, model_type: str | None,
-           heads: int | None, quiet: bool, err: TextIO | None = None) -> int:
+           heads: int | None, quiet: bool, err: TextIO | None = None, names: str = "hf") -> int:
     if to not in EXPORT_FORMATS:
         raise SMPInvalidArgumentError(f"--to {to!r}: allowed {', '.join(EXPORT_FORMATS)}")
-    if to != "hf":
-        given = [flag for flag, value in (("--config", config), ("--model-type", model_type),
-                                          ("--num-attention-heads", heads)) if value is not None]
-        if given:
-            raise SMPInvalidArgumentError(f"{', '.join(given)}: only for --to hf (--to {to} keeps the checkpoint's "
-                                          "own parameter names and needs no model config)")
-    else:
-        hf_export.check_model_args(config, model_type)  # before reading the folder: a usage error comes first
+    if names not in ("hf", "smp"):
+        raise SMPInvalidArgumentError(f"--names {names!r}: allowed hf or smp")
+    if to == "hf" and names == "smp":
+        raise SMPInvalidArgumentError("--names smp: only for --to dcp / deepspeed-universal (a Hugging Face "
+                                      "directory holds Hugging Face's names)")
+    hf_export.check_model_args(config, model_type)  # before reading the folder: a usage error comes first
     found = layout.find(path, tag)
     if to == "hf" and config is None and model_type is None:
         hf_export.check_model_args(config, model_type, hf_export.saved_config(found) is not None)
+    translate = _translation(found, config, model_type, heads, names) if to != "hf" else None
 
     def work() -> str:
         if to == "dcp":
-            keys = dcp_export.export(found, out_dir)
-            return f"wrote {out_dir}: torch.distributed.checkpoint with {' and '.join(keys)} state"
+            keys = dcp_export.export(found, out_dir, translate)
+            return (f"wrote {out_dir}: torch.distributed.checkpoint with {' and '.join(keys)} state"
+                    + (" in Hugging Face's names" if translate is not None else ""))
         if to == "deepspeed-universal":
-            latest, tag = universal_export.export(found, out_dir)
+            latest, tag = universal_export.export(found, out_dir, translate)
             return f"wrote {out_dir}: DeepSpeed universal checkpoint {tag} ({latest}, {tag}/zero/<parameter>/)"
         return f"wrote {out_dir}: {', '.join(hf_export.export(found, out_dir, config, model_type, heads))}"
 
     return _report("export", work, quiet, err)
+
+
+def _translation(found: layout.CheckpointLayout, config: str | None, model_type: str | None, heads: int | None,
+                 names: str) -> Any:
+    """The SMP -> Hugging Face translator a DCP / universal export of ``found`` applies, or None (the checkpoint
+    already holds the model's own names, or ``--names smp``); refused when the family cannot be told."""
+    files = sorted(found.model_files.values())
+    keys = list(consolidation.ShardReader().tensors(files[0])) if files else []
+    flags = [f for f, v in (("--config", config), ("--model-type", model_type), ("--num-attention-heads", heads))
+             if v is not None]
+    if not hf_naming.has_smp_names(keys):
+        if flags:
+            raise SMPInvalidArgumentError(f"{', '.join(flags)}: the checkpoint holds no SMP distributed-transformer "
+                                          "names, so there is nothing to translate; leave them out")
+        return None
+    if names == "smp":
+        return None
+    cfg = hf_export.read_config(config) if config else hf_export.saved_config(found)
+    kind = model_type or (cfg or {}).get("model_type")
+    count = heads or (cfg or {}).get("num_attention_heads") or (cfg or {}).get("n_head")
+    if kind is None or not count:
+        example = next(k for k in keys if ".seq_layers." in k)
+        raise SMPInvalidArgumentError(
+            f"the checkpoint holds SMP distributed-transformer names ({example}); to write Hugging Face's names the "
+            "family and head count are needed: --model-type TYPE --num-attention-heads N, or --config config.json "
+            "(or a model_config in the user content); --names smp keeps SMP's names")
+    return hf_export.translator(kind, int(count))
 
 
 def reshard(path: str, out: str, tag: str | None, tp: int, pp: int, rdp: int | None, world: int | None,

@@ -9,7 +9,8 @@ things, so a job of any world size (FSDP2, DDP, one process) loads it with DCP's
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 * ``model``: the full state dict under the model's own names (:mod:`.consolidate`), as
-  ``model.state_dict()`` has it;
+  ``model.state_dict()`` has it; a distributed-transformer checkpoint's under Hugging Face's names by default
+  (:mod:`.hf_naming`: the Hugging Face model loads it), or SMP's with ``--names smp``;
 * ``optim``: the optimizer state by parameter name (:mod:`.optimizer_state`), the layout
   ``get_optimizer_state_dict`` gives: ``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}},
   "param_groups": [{lr, betas, ..., "params": [names]}]}``. ``step`` is a float32 0-d tensor, as
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from smp2ds.engine.checkpoint_tools import consolidate, optimizer_state
+from smp2ds.engine.checkpoint_tools import consolidate, hf_naming, optimizer_state
 from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
 from smp2ds.engine.exceptions import SMPInvalidArgumentError
 
@@ -87,23 +88,23 @@ def optimizer_dict(optim: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def export(layout: CheckpointLayout, out_dir: str) -> list[str]:
-    """Write the DCP directory ``out_dir``; returns the top-level keys written (``model``, ``optim``)."""
+def export(layout: CheckpointLayout, out_dir: str, translate: hf_naming.Translate | None = None) -> list[str]:
+    """Write the DCP directory ``out_dir``; returns the top-level keys written (``model``, ``optim``).
+
+    ``translate``: the family's SMP -> Hugging Face translator; the model and optimizer state are then written
+    under Hugging Face's names (:mod:`.hf_naming`), a layer at a time.
+    """
     import torch.distributed.checkpoint as dcp
 
     check_out_dir(out_dir, "--to dcp")
     reader = consolidate.ShardReader()
     entries = consolidate.checked_plan(layout, reader)
     optim = (optimizer_state.consolidate_optimizer(layout, entries, reader) if layout.optimizer_files else None)
-    model = {e.key: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in entries}
-    by_key = {f"{MODEL_KEY}.{e.key}": e for e in entries}
-
-    def producer(entry: consolidate.Entry) -> Callable[[], torch.Tensor]:
-        def make() -> torch.Tensor:
-            reader.maybe_release()  # the previous tensor is written and dropped by now
-            return consolidate.join(entry, reader)
-        return make
-
+    if translate is not None:
+        model, lazy, optim = _translated(entries, reader, optim, translate)
+    else:
+        model = {e.key: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in entries}
+        lazy = {f"{MODEL_KEY}.{e.key}": _producer(e, reader) for e in entries}
     state: dict[str, Any] = {MODEL_KEY: model}
     if optim is not None:
         state[OPTIM_KEY] = optimizer_dict(optim)
@@ -111,6 +112,36 @@ def export(layout: CheckpointLayout, out_dir: str) -> list[str]:
         writer = dcp.FileSystemWriter(staging, single_file_per_rank=True, thread_count=1)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.save(state, storage_writer=writer, planner=_planner({k: producer(e) for k, e in by_key.items()}),
-                     no_dist=True)
+            dcp.save(state, storage_writer=writer, planner=_planner(lazy), no_dist=True)
     return list(state)
+
+
+def _producer(entry: consolidate.Entry, reader: consolidate.ShardReader) -> Callable[[], torch.Tensor]:
+    def make() -> torch.Tensor:
+        reader.maybe_release()  # the previous tensor is written and dropped by now
+        return consolidate.join(entry, reader)
+    return make
+
+
+def _translated(entries: list[consolidate.Entry], reader: consolidate.ShardReader, optim: dict[str, Any] | None,
+                translate: hf_naming.Translate) -> tuple[dict, dict, dict[str, Any] | None]:
+    """(meta model state, lazy producers, optimizer state), all under Hugging Face's names; a producer translates
+    its unit when first asked and keeps that one unit until another is asked for."""
+    by_key = {e.key: e for e in entries}
+    renaming = hf_naming.plan({e.key: (e.shape, e.dtype) for e in entries}, translate)
+    model = {key: torch.empty(shape, dtype=dtype, device="meta") for key, shape, dtype, _ in renaming.outputs}
+    held: dict[str, Any] = {"unit": None, "tensors": {}}
+
+    def producer(key: str, unit: int) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            if held["unit"] != unit:
+                held["unit"], held["tensors"] = None, {}
+                reader.maybe_release()
+                held["tensors"] = renaming.translate_unit(
+                    unit, {k: consolidate.join(by_key[k], reader) for k in renaming.units[unit]})
+                held["unit"] = unit
+            return held["tensors"][key]
+        return make
+
+    lazy = {f"{MODEL_KEY}.{key}": producer(key, unit) for key, _, _, unit in renaming.outputs}
+    return model, lazy, hf_naming.translate_optimizer(renaming, optim) if optim is not None else None

@@ -28,7 +28,7 @@ from smp2ds.engine.nn.huggingface.families import CONFIGS_FROM_SHAPES, EXPORTS
 SIZED_TYPES = tuple(CONFIGS_FROM_SHAPES)
 
 
-def _translator(model_type: str, heads: int) -> Callable[[dict], dict]:
+def translator(model_type: str, heads: int) -> Callable[[dict], dict]:
     """SMP distributed-transformer names -> Hugging Face's, for ``model_type``."""
     if model_type not in EXPORTS:
         raise SMPUnsupportedError(f"the checkpoint holds SMP distributed-transformer names (seq_layers) and model "
@@ -53,7 +53,7 @@ def sized_config(model_type: str, sd: dict[str, torch.Tensor], heads: int | None
                                  f"{model_type} model? (else give --config FILE)") from None
 
 
-def _read_config(path: str) -> dict[str, Any]:
+def read_config(path: str) -> dict[str, Any]:
     try:
         with open(path) as handle:
             cfg = json.load(handle)
@@ -109,11 +109,11 @@ def export(layout: CheckpointLayout, out_dir: str, config_file: str | None = Non
     reader = consolidate.ShardReader()
     entries = consolidate.checked_plan(layout, reader)
     sd = dict(consolidate.iter_tensors(entries, reader))
-    cfg = _read_config(config_file) if config_file else saved
+    cfg = read_config(config_file) if config_file else saved
     kind = cfg["model_type"] if cfg else model_type
     if any(".seq_layers." in k for k in sd):
         count = heads or (cfg or {}).get("num_attention_heads") or (cfg or {}).get("n_head")
-        sd = _translator(kind, int(count or 0))(sd)
+        sd = translator(kind, int(count or 0))(sd)
     if cfg is None:
         cfg = sized_config(kind, sd, heads)
     config = tf.AutoConfig.for_model(**cfg)

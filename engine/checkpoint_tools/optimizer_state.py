@@ -61,6 +61,11 @@ def parameter_names(model_file: str, reader: ShardReader) -> dict[str, list[str]
 
 
 def torch_state(file: str) -> dict[str, Any]:
+    return position_names(file)[0]
+
+
+def position_names(file: str) -> tuple[dict[str, Any], list[list[str]] | None]:
+    """(PyTorch's optimizer state dict in one unsharded file, the parameter names smp2ds recorded per group)."""
     obj = load_weights(file, mmap=False, deepspeed_state=True)
     if not isinstance(obj, dict):
         raise SMPCheckpointError(f"{file}: expected an optimizer state dict, found a {type(obj).__name__}")
@@ -73,7 +78,8 @@ def torch_state(file: str) -> dict[str, Any]:
     sd = obj.get("ds_optimizer", obj)
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise SMPCheckpointError(f"{file}: not an optimizer state dict (no state / param_groups)")
-    return sd
+    names = meta.get("param_names")
+    return sd, names if isinstance(names, list) else None
 
 
 def _named_stage(layout: CheckpointLayout, stage: int, rank: int,
@@ -81,14 +87,24 @@ def _named_stage(layout: CheckpointLayout, stage: int, rank: int,
     """({name: state}, param_groups with names, {name: its aliases}) of one optimizer file."""
     file = layout.optimizer_files[(stage, rank, None)]
     model_file = layout.model_files[(stage, rank)]
-    sd = torch_state(file)
+    sd, recorded = position_names(file)
     names = parameter_names(model_file, reader)
     positions = [i for group in sd["param_groups"] for i in group["params"]]
-    if len(positions) != len(names):
-        raise SMPCheckpointError(f"{file}: holds {len(positions)} parameters but {os.path.basename(model_file)} "
-                                 f"{len(names)} tensors; cannot tell which state belongs to which parameter (a "
-                                 "model with buffers saved beside its parameters, or files of different saves)")
-    by_position = dict(zip(positions, list(names)))
+    group_of = {int(i): g for g, group in enumerate(sd["param_groups"]) for i in group["params"]}
+    if recorded is not None:  # smp2ds named each position's parameter: the groups' order is the script's
+        order = [n for group in recorded for n in group]
+        unknown = [n for n in order if n not in names]
+        if len(order) != len(positions) or unknown:
+            raise SMPCheckpointError(f"{file}: names {len(order)} parameters for {len(positions)} positions"
+                                     + (f", {unknown[:3]} not in {os.path.basename(model_file)}" if unknown else "")
+                                     + ": the files are of different saves")
+    else:
+        if len(positions) != len(names):
+            raise SMPCheckpointError(f"{file}: holds {len(positions)} parameters but {os.path.basename(model_file)} "
+                                     f"{len(names)} tensors; cannot tell which state belongs to which parameter (a "
+                                     "model with buffers saved beside its parameters, or files of different saves)")
+        order = list(names)  # PyTorch numbers them in the groups' order: the model's order for one group
+    by_position = dict(zip(positions, order))
     tensors = reader.tensors(model_file)
     state: dict[str, dict[str, Any]] = {}
     for position, values in sd["state"].items():
@@ -97,8 +113,14 @@ def _named_stage(layout: CheckpointLayout, stage: int, rank: int,
             raise SMPCheckpointError(f"{file}: state for parameter position {position}, which no group lists")
         for key, value in values.items():
             if isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) != tuple(tensors[name].shape):
-                raise SMPCheckpointError(f"{file}: {key} of {name} has shape {list(value.shape)} but the parameter "
-                                         f"{list(tensors[name].shape)}: the state does not belong to this model file")
+                group = group_of.get(int(position), 0)
+                why = ("the file does not record which parameter each position is (it predates smp2ds's "
+                       f"param_names) and the {len(sd['param_groups'])} parameter groups do not follow the model's "
+                       "order" if recorded is None and len(sd["param_groups"]) > 1
+                       else "the state does not belong to this model file")
+                raise SMPCheckpointError(f"{file}: {key} at position {position} of parameter group {group} (taken as "
+                                         f"{name}) has shape {list(value.shape)} but {name} is "
+                                         f"{list(tensors[name].shape)}: {why}")
         state[name] = values
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [by_position[i] for i in g["params"]]}
               for g in sd["param_groups"]]

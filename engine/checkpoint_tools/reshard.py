@@ -146,17 +146,20 @@ def reshard(layout: CheckpointLayout, out: str, tp: int, pp: int, rdp: int = 1, 
 def _stage_optimizer(layout: CheckpointLayout, stage: int, optim: dict[str, Any], split: dict[str, Split | None],
                      tp: int, rank: int, rdp: int, reader: consolidate.ShardReader) -> dict[str, Any]:
     """One new rank's optimizer file: the old stage's parameter positions, each moment cut as its parameter."""
-    old = optimizer_state.torch_state(layout.optimizer_files[(stage, 0, None)])
+    old, recorded = optimizer_state.position_names(layout.optimizer_files[(stage, 0, None)])
     names = optimizer_state.parameter_names(layout.model_files[(stage, 0)], reader)
     positions = [i for group in old["param_groups"] for i in group["params"]]
+    order = [n for group in recorded for n in group] if recorded is not None else list(names)
     state = {}
-    for position, name in zip(positions, names):
+    for position, name in zip(positions, order):
         known = next((a for a in names[name] if a in optim["state"]), None)
         if known is None:
             continue  # no state yet (a parameter without gradient)
         state[position] = {k: cut(v, split[known], tp, rank) if isinstance(v, torch.Tensor) and v.dim() else v
                            for k, v in optim["state"][known].items()}
-    meta = {"zero_stage": 0, "precision": "fp32", "rdp_rank": 0, "rdp_size": rdp}
+    meta: dict[str, Any] = {"zero_stage": 0, "precision": "fp32", "rdp_rank": 0, "rdp_size": rdp}
+    if recorded is not None:
+        meta["param_names"] = recorded
     return {"ds_optimizer": {"state": state, "param_groups": old["param_groups"]}, "smp2ds": meta,
             fmt.PARTIAL_MARK: True}
 

@@ -13,7 +13,8 @@ The layout is what DeepSpeed's ``checkpoint/ds_to_universal.py`` writes and what
     OUT/<tag>/zero/<parameter name>/step.pt      Adam's step (a float32 0-d tensor, as torch keeps it)
 
 Parameter names are the model's own (``named_parameters()``, a tied head under the name of the
-tensor it shares, as DeepSpeed's ``param_names`` has it). Tensors without optimizer state (a tied
+tensor it shares, as DeepSpeed's ``param_names`` has it); a distributed-transformer checkpoint's are Hugging Face's
+by default (:mod:`.hf_naming`), SMP's with ``--names smp``. Tensors without optimizer state (a tied
 head's second name, buffers) get ``fp32.pt`` only, as ``ds_to_universal`` writes them. Each loading
 rank cuts its own partition out of the full tensors, so any data-parallel size and ZeRO stage loads
 it (stages 1 and 3 tested; tensor slicing for DeepSpeed's own tensor parallelism is not described).
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from smp2ds.engine.checkpoint_tools import consolidate, optimizer_state
+from smp2ds.engine.checkpoint_tools import consolidate, hf_naming, optimizer_state
 from smp2ds.engine.checkpoint_tools.dcp_export import check_out_dir, staged_output
 from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
 from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedError
@@ -63,8 +64,9 @@ def _save(obj: Any, path: str) -> None:
     torch.save(obj, path)
 
 
-def export(layout: CheckpointLayout, out_dir: str) -> list[str]:
-    """Write the universal checkpoint ``out_dir``; returns the top-level entries written."""
+def export(layout: CheckpointLayout, out_dir: str, translate: hf_naming.Translate | None = None) -> list[str]:
+    """Write the universal checkpoint ``out_dir``; returns the top-level entries written. ``translate``: the
+    family's SMP -> Hugging Face translator; parameters then take Hugging Face's names (:mod:`.hf_naming`)."""
     check_out_dir(out_dir, "--to deepspeed-universal")
     if not layout.optimizer_files:
         raise SMPInvalidArgumentError(f"{layout.directory}: holds no optimizer state; --to deepspeed-universal writes "
@@ -73,13 +75,19 @@ def export(layout: CheckpointLayout, out_dir: str) -> list[str]:
     reader = consolidate.ShardReader()
     entries = consolidate.checked_plan(layout, reader)
     optim = optimizer_state.consolidate_optimizer(layout, entries, reader)
+    tensors = consolidate.iter_tensors(entries, reader)
+    if translate is not None:
+        by_key = {e.key: e for e in entries}
+        renaming = hf_naming.plan({e.key: (e.shape, e.dtype) for e in entries}, translate)
+        optim = hf_naming.translate_optimizer(renaming, optim)
+        tensors = hf_naming.iter_translated(renaming, lambda k: consolidate.join(by_key[k], reader))
     _check(optim, layout.directory)
     step = _step(optim, layout.directory)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optim["param_groups"]]
     tag = (layout.tag or "smp2ds").replace(os.sep, "_")
     with staged_output(out_dir) as staging:
         zero = os.path.join(staging, tag, "zero")
-        for key, tensor in consolidate.iter_tensors(entries, reader):
+        for key, tensor in tensors:
             folder = os.path.join(zero, key)
             _save({PARAM: tensor.to(torch.float32)}, os.path.join(folder, "fp32.pt"))
             state = optim["state"].get(key)

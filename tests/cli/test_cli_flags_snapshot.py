@@ -98,7 +98,8 @@ SNAPSHOT: dict[str, dict[str, object]] = {
         "positionals": ["PATH"],
     },
     "checkpoint export": {
-        "options": ["--config", "--model-type", "--num-attention-heads", "--quiet", "--tag", "--to", "-h/--help"],
+        "options": ["--config", "--model-type", "--names{hf,smp}=hf", "--num-attention-heads", "--quiet", "--tag",
+                    "--to", "-h/--help"],
         "positionals": ["PATH"],
     },
 }

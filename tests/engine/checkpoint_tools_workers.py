@@ -29,10 +29,27 @@ def build(smp: Any, phase: dict) -> torch.nn.Module:
         return tw.hf_model(phase["model"], phase["seed"])
 
 
+def decay_groups(named: Any) -> list[dict]:
+    """Two AdamW groups split by weight decay as SMP's GPT-2 script splits them (biases and layer norms without):
+    the same split under Hugging Face's names and the distributed transformer's."""
+    decay, no_decay = [], []
+    for name, param in named:
+        leaf = name.rsplit(".", 1)[-1]
+        (no_decay if leaf == "bias" or "layernorm" in name or "ln_" in name else decay).append(param)
+    return [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 def _setup(smp: Any, phase: dict, b: int) -> tuple[Any, Any, Any]:
-    """(model, optimizer, run(step): one training step on this rank's rows of the step's batch)."""
+    """(model, optimizer, run(step): one training step on this rank's rows of the step's batch); ``phase["groups"]``:
+    the model starts from the Hugging Face model's weights (loaded in Hugging Face's names) and the optimizer takes
+    :func:`decay_groups` (the distributed transformer's names order the groups otherwise than the model's
+    parameters)."""
     model = smp.DistributedModel(build(smp, phase))
-    opt = smp.DistributedOptimizer(tw.make_optimizer("adamw", model.parameters()))
+    if phase.get("groups"):  # fine-tuning, as SMP's script with its own weights: start from the Hugging Face ones
+        model.load_state_dict(trw.hf_gpt2(phase["seed"]).state_dict() if phase["model"] == "gpt2_replaced"
+                              else tw.hf_model(phase["model"], phase["seed"]).state_dict())
+    params = decay_groups(model.named_parameters()) if phase.get("groups") else model.parameters()
+    opt = smp.DistributedOptimizer(tw.make_optimizer("adamw", params))
 
     @smp.step
     def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:

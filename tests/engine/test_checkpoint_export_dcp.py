@@ -73,10 +73,14 @@ def test_export_refusals_name_the_flag_and_write_nothing(tmp_path, capsys):
     taken.mkdir()
     (taken / "file").write_text("x")
     cases = [(["--to", "dcp", str(taken)], "--to dcp " + str(taken) + ": exists and is not an empty folder"),
-             (["--to", "dcp", str(tmp_path / "o"), "--config", "c.json"], "--config: only for --to hf"),
-             (["--to", "dcp", str(tmp_path / "o"), "--num-attention-heads", "4"], "--num-attention-heads: only for"),
+             (["--to", "dcp", str(tmp_path / "o"), "--model-type", "gpt2"],
+              "--model-type: the checkpoint holds no SMP distributed-transformer names"),
+             (["--to", "dcp", str(tmp_path / "o"), "--num-attention-heads", "4"],
+              "--num-attention-heads: the checkpoint holds no SMP"),
              (["--to", "onnx", str(tmp_path / "o")], "--to 'onnx': allowed hf, dcp"),
-             (["--to", "hf", str(tmp_path / "o")], "give exactly one of --config FILE and --model-type TYPE")]
+             (["--to", "hf", str(tmp_path / "o")], "give one of --config FILE and --model-type TYPE: the checkpoint's "
+              "user content holds no model_config"),
+             (["--to", "hf", str(tmp_path / "o"), "--names", "smp"], "--names smp: only for --to dcp")]
     for argv, message in cases:
         assert main(["checkpoint", "export", ckpt, *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv

@@ -62,4 +62,4 @@ def test_a_checkpoint_without_optimizer_state_is_refused_before_writing(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert main(["checkpoint", "export", str(tmp_path / "ckpt"), "--to", "deepspeed-universal", str(out),
                  "--model-type", "gpt2"]) == 2
-    assert "--model-type: only for --to hf" in capsys.readouterr().err
+    assert "--model-type: the checkpoint holds no SMP distributed-transformer names" in capsys.readouterr().err

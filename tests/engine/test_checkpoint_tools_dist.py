@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 
 import pytest
 import torch
@@ -28,6 +30,8 @@ PP_CONFIG = {"ddp": True, "tensor_parallel_degree": 2, "pipeline_parallel_degree
 PP_MODELS = ("gpt2", "llama", "gpt_neox")
 SDP_MODELS = ("gpt2", "gpt2_replaced")
 TP_CONFIG = {"ddp": True, "tensor_parallel_degree": 2}
+GROUPED = "gpt2_replaced_groups"
+"""SMP's GPT-2 script at tp 2: the distributed transformer, AdamW over two groups split by weight decay."""
 ZERO1_CONFIG = {"ddp": True, "shard_optimizer_state": True}
 
 
@@ -36,9 +40,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """{layout: (root folder, {model: rank 0's results})}: both runs, trained and saved once."""
     out = {}
     for layout, world, config, models in (("pp2-tp2", 4, PP_CONFIG, PP_MODELS), ("tp2-sdp2", 4, sdpw.CONFIG, SDP_MODELS),
-                                          ("tp2", 2, TP_CONFIG, ("gpt2",)), ("zero1-rdp2", 2, ZERO1_CONFIG, ("gpt2",))):
+                                          ("tp2", 2, TP_CONFIG, ("gpt2", GROUPED)),
+                                          ("zero1-rdp2", 2, ZERO1_CONFIG, ("gpt2",))):
         root = str(tmp_path_factory.mktemp(layout))
-        phases = [{"name": m, "model": m, "seed": 40 + i} for i, m in enumerate(models)]
+        phases = [{"name": m, "model": m.removesuffix("_groups"), "seed": 40 + i, "groups": m.endswith("_groups")}
+                  for i, m in enumerate(models)]
         per_rank = run_ranks(cw.train_and_save, world, config, phases, root)
         rank0 = [{k: _torch(v) for k, v in r.items()} for r in per_rank[0]]
         out[layout] = (root, dict(zip(models, rank0)))
@@ -175,24 +181,109 @@ def test_files_of_two_saves_mixed_in_one_folder_are_named(runs, tmp_path, capsys
 
 
 def _reference_adamw_state(model: str, seed: int, dp: int, b: int = 2, steps: int = 2,
-                           clip: float | None = None) -> tuple[dict, dict]:
+                           clip: float | None = None, groups: bool = False) -> tuple[dict, dict]:
     """Single-process AdamW on the union of the data-parallel ranks' rows (the workers' data and
     loss: the mean of the ranks' mean losses), gradients clipped to norm ``clip`` when given (as
-    ``sdp_gradient_clipping``): (optimizer state by parameter name, weights)."""
+    ``sdp_gradient_clipping``), over the weight-decay groups with ``groups``: (optimizer state by parameter
+    name, weights)."""
+    net, opt = _reference_net(model, seed, groups)
+    _train_reference(net, opt, range(steps), dp, b, clip)
+    names = {id(p): n for n, p in net.named_parameters()}
+    return {names[id(p)]: s for p, s in opt.state.items()}, net.state_dict()
+
+
+def _reference_net(model: str, seed: int, groups: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     net = _hf_reference(model, seed)
-    opt = tw.make_optimizer("adamw", net.parameters())
+    return net, tw.make_optimizer("adamw", cw.decay_groups(net.named_parameters()) if groups else net.parameters())
+
+
+def _train_reference(net: torch.nn.Module, opt: torch.optim.Optimizer, steps: range, dp: int, b: int = 2,
+                     clip: float | None = None) -> list[float]:
+    """The workers' steps in one process; returns each step's loss (the mean of the ranks' mean losses)."""
+    out = []
     vocab = min(tw.VOCAB, cw.trw.VOCAB)
-    for step in range(steps):
+    for step in steps:
         ids = tw.global_ids(step, dp * b) % vocab
         losses = [net(input_ids=ids[r * b:(r + 1) * b], labels=ids[r * b:(r + 1) * b], use_cache=False).loss
                   for r in range(dp)]
-        torch.stack(losses).mean().backward()
+        loss = torch.stack(losses).mean()
+        loss.backward()
+        out.append(loss.item())
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
         opt.zero_grad()
-    names = {id(p): n for n, p in net.named_parameters()}
-    return {names[id(p)]: s for p, s in opt.state.items()}, net.state_dict()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["dcp", "deepspeed-universal"])
+def test_distributed_transformer_exports_leave_in_hugging_face_names_weights_and_moments(runs, tmp_path, to):
+    """SMP's GPT-2 script at tp 2 (the distributed transformer, AdamW over two groups split by weight decay):
+    the DCP and universal exports hold Hugging Face's names, and the weights, both Adam moments and both groups
+    equal single-process Hugging Face AdamW on the same rows; the DCP export loads with DCP's own loader into
+    a plain Hugging Face GPT-2 and trains on like the uninterrupted reference. ``--names smp`` keeps SMP's."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests.engine import test_tensor_parallel_dist as tpd
+
+    root, _ = runs["tp2"]
+    ckpt, out = os.path.join(root, GROUPED), str(tmp_path / "export")
+    flags = ["--model-type", "gpt2", "--num-attention-heads", "4"]
+    assert main(["checkpoint", "export", ckpt, "--to", to, out, *flags, "--quiet"]) == 0
+    seed = 40 + 1  # the second phase of the tp2 run
+    want, weights = _reference_adamw_state("gpt2_replaced", seed, dp=2, groups=True)  # tp ranks read their own rows
+    if to == "dcp":
+        dcp_to_torch_save(out, str(tmp_path / "flat.pt"))
+        got = torch.load(str(tmp_path / "flat.pt"), weights_only=False)
+        model, optim = got["model"], got["optim"]
+    else:
+        tag = open(os.path.join(out, "latest_universal")).read()
+        zero = os.path.join(out, tag, "zero")
+        model = {n: torch.load(os.path.join(zero, n, "fp32.pt"), weights_only=False)["param"]
+                 for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n))}
+        optim = {"state": {n: {m: torch.load(os.path.join(zero, n, f"{m}.pt"), weights_only=False)["param"]
+                               for m in ("exp_avg", "exp_avg_sq")}
+                           for n in model if os.path.isfile(os.path.join(zero, n, "exp_avg.pt"))}}
+    assert set(model) >= set(weights) - {"lm_head.weight"} and not any(".seq_layers." in k for k in model)
+    for key, value in weights.items():
+        if key in model:
+            tpd._close(model[key].float(), value, f"{to} {key}", tpd.ADAMW_ATOL)
+    assert sorted(optim["state"]) == sorted(want)  # the tied head once, under the embedding's name
+    for name, state in want.items():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            tpd._close(optim["state"][name][moment], state[moment], f"{to} {name} {moment}", 1e-6)
+    if to != "dcp":
+        return
+    net, opt = _reference_net("gpt2_replaced", seed, groups=True)
+    expected_groups = [sorted(n for n, p in net.named_parameters() if any(p is q for q in g["params"]))
+                       for g in opt.param_groups]
+    assert [sorted(g["params"]) for g in optim["param_groups"]] == expected_groups
+    assert [g["weight_decay"] for g in optim["param_groups"]] == [0.01, 0.0]
+    assert _continue_from_dcp(out, seed) == pytest.approx(_uninterrupted(seed), abs=1e-5)
+    smp_out = str(tmp_path / "smp-names")
+    assert main(["checkpoint", "export", ckpt, "--to", to, smp_out, "--names", "smp", "--quiet"]) == 0
+    dcp_to_torch_save(smp_out, str(tmp_path / "smp.pt"))
+    assert any(".seq_layers." in k for k in torch.load(str(tmp_path / "smp.pt"), weights_only=False)["model"])
+
+
+def _continue_from_dcp(path: str, seed: int) -> list[float]:
+    """A fresh Hugging Face GPT-2 (other weights) and AdamW over the same groups load the DCP export with DCP's
+    own loader (``get_state_dict`` / ``dcp.load`` / ``set_state_dict``, one process) and train steps 2 and 3."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    net, opt = _reference_net("gpt2_replaced", seed + 500, groups=True)
+    msd, osd = get_state_dict(net, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _train_reference(net, opt, range(2, 4), dp=2)
+
+
+def _uninterrupted(seed: int) -> list[float]:
+    net, opt = _reference_net("gpt2_replaced", seed, groups=True)
+    return _train_reference(net, opt, range(4), dp=2)[2:]
 
 
 @pytest.mark.slow
@@ -355,3 +446,28 @@ def test_reshard_refuses_what_it_cannot_recut_before_writing(runs, tmp_path, cap
         assert main(["checkpoint", "reshard", *argv, "--out", str(out)]) == 2, argv
         assert message in capsys.readouterr().err, argv
         assert not out.exists()
+
+
+@pytest.mark.slow
+def test_optimizer_state_that_cannot_be_matched_to_its_parameters_is_refused_by_group(runs, tmp_path, capsys):
+    """The grouped tp 2 checkpoint without the parameter names smp2ds records per group (as one written before it
+    did): PyTorch numbers the state in the groups' order, not the model's, so the shapes disagree; every export
+    refuses, naming the position, the group and the parameter, and writes nothing."""
+    from smp2ds.engine.checkpoint_tools.reading import load_weights
+
+    copy = os.path.join(str(tmp_path), "unnamed")
+    shutil.copytree(os.path.join(runs["tp2"][0], GROUPED), copy)
+    part = os.path.join(copy, "step2_partial")
+    os.remove(os.path.join(part, "smp2ds_manifest.json"))
+    for name in os.listdir(part):
+        if name.startswith("optimizer_states_"):
+            obj = load_weights(os.path.join(part, name), mmap=False, deepspeed_state=True)
+            assert len(obj["smp2ds"].pop("param_names")) == 2  # what the engine recorded: both groups
+            torch.save(obj, os.path.join(part, name))
+    for to in ("dcp", "deepspeed-universal"):
+        out = tmp_path / to
+        assert main(["checkpoint", "export", copy, "--to", to, str(out), "--model-type", "gpt2",
+                     "--num-attention-heads", "4"]) == 1
+        err = capsys.readouterr().err
+        assert re.search(r"at position \d+ of parameter group \d \(taken as \S+\) has shape", err) and "does not record which parameter each position is" in err
+        assert not out.exists() and not (tmp_path / f"{to}.smp2ds-partial").exists()

@@ -50,11 +50,16 @@ def checkpoint_command_parser(subparsers: Any = None) -> argparse.ArgumentParser
                      "parameter name, for dcp.load + set_state_dict at any world size); deepspeed-universal DIR "
                      "(DeepSpeed's universal checkpoint: load_universal at any ZeRO stage and data-parallel size)")
     source = exp.add_mutually_exclusive_group()
-    source.add_argument("--config", metavar="FILE", help="--to hf: the model's Hugging Face config.json")
-    source.add_argument("--model-type", metavar="TYPE", help="--to hf: gpt2, llama or gpt_neox: sizes read from "
-                        "the shapes")
+    source.add_argument("--config", metavar="FILE", help="the model's Hugging Face config.json (--to hf; for dcp / "
+                        "deepspeed-universal the family whose names a distributed-transformer checkpoint takes)")
+    source.add_argument("--model-type", metavar="TYPE", help="gpt2, llama or gpt_neox (--to hf: sizes read from the "
+                        "shapes; dcp / deepspeed-universal: the family to translate SMP's names for)")
     exp.add_argument("--num-attention-heads", type=positive_int, metavar="N",
                      help="attention heads (with --model-type: no shape holds the head count)")
+    exp.add_argument("--names", choices=("hf", "smp"), default="hf",
+                     help="dcp / deepspeed-universal of a distributed-transformer checkpoint: Hugging Face's "
+                     "parameter names (default; the family from --model-type / --config or the user content's "
+                     "model_config) or SMP's (transformer.seq_layers.*)")
     exp.add_argument("--quiet", action="store_true", help="no summary")
     res = actions.add_parser("reshard", help="re-cut weights and optimizer state for another tp / rdp layout")
     _add_path(res)
@@ -93,7 +98,7 @@ def checkpoint_command(args: argparse.Namespace) -> int:
             return commands.reshard(args.path, args.out, args.tag, args.tp, args.pp, args.rdp, args.world, args.quiet,
                                     sdp=args.sdp)
         return commands.export(args.path, args.to[0], args.to[1], args.tag, args.config, args.model_type,
-                               args.num_attention_heads, args.quiet)
+                               args.num_attention_heads, args.quiet, names=args.names)
     except SMPCheckpointError as exc:
         sys.stderr.write(f"smp2ds checkpoint {args.action}: {exc}\n")
         return EXIT_INVALID
