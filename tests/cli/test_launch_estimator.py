@@ -47,15 +47,15 @@ def test_one_node_on_purpose_checks_the_config_for_one_node(capsys):
     assert "sharded_data_parallel_degree" in err and "128" in err
 
 
-def test_accelerate_refuses_tensor_and_pipeline_parallelism_instead_of_dropping_them(tmp_path, capsys):
-    """accelerate's DeepSpeed plugin cannot run them; the config used to come out without them, and with a
-    train_batch_size for a data-parallel degree of the whole world."""
+def test_accelerate_refuses_pipeline_parallelism_naming_the_routes_that_work(tmp_path, capsys):
+    """accelerate has no pipeline stages (its mesh: data, shard, tensor, context); the config used to come out
+    without them. Tensor parallelism alone goes to FSDP2's tp_size (tests/cli/test_accelerate_fsdp2.py)."""
     config = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "gpt3_175b_tp_pp_004.json")
     out = tmp_path / "run.yaml"
     assert main(["convert", config, "--to", "accelerate", "-o", str(out)]) == 1
     err = capsys.readouterr().err
-    assert "/tensor_parallel_degree: tensor_parallel_degree 8 cannot be carried to accelerate" in err
-    assert "/pipeline_parallel_degree" in err and not out.exists()
+    assert "/pipeline_parallel_degree: pipeline_parallel_degree" in err and "cannot be carried to accelerate" in err
+    assert "smp2ds checkpoint export --to hf" in err and not out.exists()
 
 
 def test_convert_maps_sagemakers_paths_to_local_folders(tmp_path, capsys):

@@ -224,10 +224,16 @@ def _entry_point(document: Any) -> str | None:
 
 def _write_accelerate(result: Any, args: argparse.Namespace) -> int:
     from . import report
-    from .accelerate_config import deepspeed_json_path, render_accelerate_yaml
+    from .accelerate_config import deepspeed_json_path, fsdp2_sizes, render_accelerate_yaml, render_fsdp2_yaml
 
     _refuse_model_parallel_for_accelerate(result)
-
+    if fsdp2_sizes(result) is not None:  # sharded data or tensor parallelism: FSDP2's mesh, no DeepSpeed JSON
+        write_atomically(args.output, render_fsdp2_yaml(result, source_name(args.file)))
+        if args.format == "json":
+            write_stdout(report.dump_json({"accelerate_config": args.output}))
+        else:
+            sys.stderr.write(f"smp2ds convert: wrote accelerate config {args.output} (FSDP2, ParallelismConfig)\n")
+        return EXIT_OK
     ds_path = deepspeed_json_path(args.output)
     write_atomically(ds_path, report.dump_json(result.deepspeed))
     write_atomically(args.output, render_accelerate_yaml(result, ds_path, source_name(args.file)))
@@ -239,18 +245,17 @@ def _write_accelerate(result: Any, args: argparse.Namespace) -> int:
 
 
 def _refuse_model_parallel_for_accelerate(result: Any) -> None:
-    """accelerate's DeepSpeed plugin runs data parallelism and ZeRO only, and sizes the batch by the whole world:
-    a plan with tensor or pipeline parallelism would lose both without a word."""
+    """accelerate has no pipeline engine for an arbitrary model (its FSDP2 mesh takes data, shard, tensor and
+    context parallelism): a plan with pipeline parallelism is refused with the routes that work."""
 
-    topo = result.topology
-    degrees = ("tensor_parallel_degree", "pipeline_parallel_degree")
-    split = {key: int(topo[key]) for key in degrees if int(topo[key]) > 1}
-    if split:
+    stages = result.topology_settings.pipeline_parallel_degree
+    if stages > 1:
         raise SMPConfigError([Issue(
-            f"/{key}", f"{key} {value} cannot be carried to accelerate: its DeepSpeed plugin runs data parallelism "
-            "and ZeRO only (and would size train_batch_size for a data-parallel degree of the whole world)",
-            hint="run the script unchanged with smp2ds launch, or convert --to torchrun / deepspeed-launcher, "
-                 "which keep tensor and pipeline parallelism") for key, value in split.items()])
+            "/pipeline_parallel_degree", f"pipeline_parallel_degree {stages} cannot be carried to accelerate: "
+            "its ParallelismConfig has data, shard, tensor and context dimensions, no pipeline stages",
+            hint="run the script unchanged with smp2ds launch (or convert --to torchrun / deepspeed-launcher), or "
+                 "leave pipelines: `smp2ds checkpoint export --to hf` and train that model under accelerate with "
+                 "data, sharded data or tensor parallelism")])
 
 
 def _local_paths(args: argparse.Namespace) -> dict[str, Any]:
