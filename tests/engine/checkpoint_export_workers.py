@@ -141,17 +141,19 @@ def fsdp2_resume(path: str, steps: int = 2) -> dict[str, Any]:
     return plain(out)
 
 
-def deepspeed_resume(path: str, stage: int, steps: int = 2) -> dict[str, Any]:
+def deepspeed_resume(path: str, stage: int, steps: int = 2, config: dict | None = None) -> dict[str, Any]:
     """A plain DeepSpeed script at ZeRO ``stage`` over this world (``load_universal``): a fresh model
-    with other weights loads the universal export with ``engine.load_checkpoint`` and trains on."""
+    with other weights loads the universal export with ``engine.load_checkpoint`` and trains on. ``config``: the
+    script's DeepSpeed config instead of the one built here (``load_universal`` is added, as a script would)."""
     import deepspeed
     import torch.distributed as dist
 
     rank, world = _init()
     model = tw.hf_model("gpt2", SEED + 1000)
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-              "checkpoint": {"load_universal": True}}
+    config = {**config, "checkpoint": {"load_universal": True}} if config is not None else {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
+        "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+        "checkpoint": {"load_universal": True}}
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=tw.make_optimizer("adamw", model.parameters()),
                                              config=config)
     load_path, _ = engine.load_checkpoint(path, load_module_strict=True)

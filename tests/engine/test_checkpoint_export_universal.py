@@ -9,6 +9,7 @@ and final weights equal one uninterrupted single process training all 4 steps.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -52,6 +53,31 @@ def test_deepspeed_loads_the_universal_export_and_trains_like_one_uninterrupted_
     assert sorted(weights) == sorted(want["weights"])
     for key, value in want["weights"].items():
         tpd._close(weights[key], value, f"{layout} zero{stage}: {key}", tpd.ADAMW_ATOL)
+
+
+@pytest.mark.slow
+def test_the_native_deepspeed_config_of_the_job_continues_the_universal_export(checkpoints, tmp_path, capsys):
+    """The exit pair for a plain DeepSpeed script: `convert --to deepspeed --native` of the job's SMP parameters
+    (shard_optimizer_state: ZeRO-1; batch 1 a rank over 3 ranks) is the script's DeepSpeed config, unchanged but for
+    load_universal; it loads the universal export and trains on like one uninterrupted process."""
+    from tests.engine import test_tensor_parallel_dist as tpd
+
+    smp = tmp_path / "smp.json"
+    smp.write_text(json.dumps(xw.LAYOUTS["zero1-rdp2"][1]), encoding="utf-8")
+    assert main(["convert", str(smp), "--to", "deepspeed", "--native", "--world-size", str(DS_WORLD),
+                 "--batch-size", "1", "-o", str(tmp_path / "ds.json")]) == 0
+    assert "differs from SMP: batch: SMP's per-rank batch 1" in capsys.readouterr().err
+    config = json.loads((tmp_path / "ds.json").read_text())
+    assert (config["zero_optimization"], config["train_batch_size"]) == ({"stage": 1}, DS_WORLD)
+    out = str(tmp_path / "universal")
+    assert main(["checkpoint", "export", checkpoints["zero1-rdp2"], "--to", "deepspeed-universal", out]) == 0
+    ranks = run_ranks(xw.deepspeed_resume, DS_WORLD, out, 1, 2, config)
+    want = xw.reference(None)
+    for got in ranks:
+        tpd._close(got["losses"], want["losses"][xw.SAVED_STEPS:], "native config: losses after the load", 1e-5)
+    weights = {k: torch.from_numpy(v) for k, v in ranks[0]["state_dict"].items()}
+    for key, value in want["weights"].items():
+        tpd._close(weights[key], value, f"native config: {key}", tpd.ADAMW_ATOL)
 
 
 def test_a_checkpoint_without_optimizer_state_is_refused_before_writing(tmp_path, capsys):

@@ -95,6 +95,14 @@ def convert_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     cluster.add_argument("--efa", action="store_true",
                          help="keep the estimator's EFA variables (FI_*, RDMAV_FORK_SAFE) for a cluster on AWS, and "
                          "request EFA interfaces per pod (default: left out, and the file says so)")
+    native = parser.add_argument_group("leaving SMP, for --to deepspeed")
+    native.add_argument("--native", action="store_true",
+                        help="a config for a plain deepspeed.initialize script at the job's layout (micro-batches as "
+                        "gradient accumulation, MiCS as ZeRO-3 with hpZ, tensor parallelism as AutoTP), each "
+                        "difference from SMP printed; needs the per-rank batch (--batch-size or the hyperparameters)")
+    native.add_argument("--model-type", metavar="TYPE",
+                        help="with --native: the model's Hugging Face model_type (e.g. llama, gpt2), to refuse "
+                        "tensor parallelism for a family DeepSpeed's AutoTP refuses")
     add_format_arg(parser)
     parser.set_defaults(handler=convert_command)
     return parser
@@ -114,6 +122,11 @@ def convert_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--output-dir, --checkpoint-dir and --channel map SageMaker's paths in a launch script; "
                          f"use them with --to {' / '.join(PATH_TARGETS)}, not --to {args.to}")
     _check_cluster_flags(args)
+    if (args.native or args.model_type) and args.to != "deepspeed":
+        raise UsageError(f"--native / --model-type write a native DeepSpeed config: use them with --to deepspeed, "
+                         f"not --to {args.to}")
+    if args.model_type and not args.native:
+        raise UsageError("--model-type is for --native (the AutoTP family check)")
 
     from . import report
 
@@ -123,6 +136,8 @@ def convert_command(args: argparse.Namespace) -> int:
     result = plan(config, layout)
     if args.to == "accelerate":
         return _write_accelerate(result, args)
+    if args.native:
+        return _write_native(result, args)
     if args.to in LAUNCH_TARGETS:
         text = render_launch(result, args.to, args.format, _entry_point(document), config, _local_paths(args))
     elif args.to in CLUSTER_TARGETS:
@@ -241,6 +256,25 @@ def _write_accelerate(result: Any, args: argparse.Namespace) -> int:
         write_stdout(report.dump_json({"accelerate_config": args.output, "deepspeed_config": ds_path}))
     else:
         sys.stderr.write(f"smp2ds convert: wrote accelerate config {args.output} -> DeepSpeed config {ds_path}\n")
+    return EXIT_OK
+
+
+def _write_native(result: Any, args: argparse.Namespace) -> int:
+    """``--to deepspeed --native``: the plain-DeepSpeed config, then (text format) what differs from SMP."""
+    from smp2ds.translator.tools.native_deepspeed import native_config
+
+    from . import report
+
+    config, notes = native_config(result, args.model_type)
+    text = report.dump_json({"deepspeed": config, "differences": notes} if args.format == "json" else config)
+    if args.output:
+        write_atomically(args.output, text)
+        sys.stderr.write(f"smp2ds convert: wrote a native DeepSpeed config to {args.output}\n")
+    else:
+        write_stdout(text)
+    if args.format == "text":
+        for note in notes:
+            sys.stderr.write(f"smp2ds convert: differs from SMP: {note}\n")
     return EXIT_OK
 
 
