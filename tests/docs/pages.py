@@ -24,6 +24,7 @@ OWN_PAGES = (
     "performance.md",
     "architecture.md",
     "memory.md",
+    "leaving-smp.md",
 )
 """Pages whose opening example tests/docs/test_pages.py runs (doctor, diagrams and smp-semantics test their own)."""
 
