@@ -21,10 +21,19 @@ PROBE = (torch.arange(2 * tw.SEQ).reshape(2, tw.SEQ) * 7) % min(tw.VOCAB, trw.VO
 """The fixed input whose logits the export tests compare."""
 
 
+REPLACED = {"gpt2_replaced": trw.hf_gpt2, "neox_replaced": trw.hf_neox}
+"""Models SMP's distributed transformer replaces (smp.nn.DistributedTransformerLMHead), by phase model name."""
+
+
+def hf_of(model: str, seed: int) -> torch.nn.Module:
+    """The Hugging Face model a phase builds (before any replacement)."""
+    return REPLACED[model](seed) if model in REPLACED else tw.hf_model(model, seed)
+
+
 def build(smp: Any, phase: dict) -> torch.nn.Module:
-    if phase["model"] == "gpt2_replaced":  # SMP's GPT-2 example: replaced by smp.nn.DistributedTransformerLMHead
+    if phase["model"] in REPLACED:  # as SMP's GPT-2 / GPT-NeoX examples: the distributed transformer
         with smp.model_creation(tensor_parallelism=True, **trw.SETTINGS):
-            return trw.hf_gpt2(phase["seed"])
+            return REPLACED[phase["model"]](phase["seed"])
     with smp.model_creation(tensor_parallelism=True):
         return tw.hf_model(phase["model"], phase["seed"])
 
@@ -35,7 +44,8 @@ def decay_groups(named: Any) -> list[dict]:
     decay, no_decay = [], []
     for name, param in named:
         leaf = name.rsplit(".", 1)[-1]
-        (no_decay if leaf == "bias" or "layernorm" in name or "ln_" in name else decay).append(param)
+        norm = "layernorm" in name or "layer_norm" in name or "ln_" in name
+        (no_decay if leaf == "bias" or norm else decay).append(param)
     return [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -46,8 +56,7 @@ def _setup(smp: Any, phase: dict, b: int) -> tuple[Any, Any, Any]:
     parameters)."""
     model = smp.DistributedModel(build(smp, phase))
     if phase.get("groups"):  # fine-tuning, as SMP's script with its own weights: start from the Hugging Face ones
-        model.load_state_dict(trw.hf_gpt2(phase["seed"]).state_dict() if phase["model"] == "gpt2_replaced"
-                              else tw.hf_model(phase["model"], phase["seed"]).state_dict())
+        model.load_state_dict(hf_of(phase["model"], phase["seed"]).state_dict())
     params = decay_groups(model.named_parameters()) if phase.get("groups") else model.parameters()
     opt = smp.DistributedOptimizer(tw.make_optimizer("adamw", params))
 

@@ -32,6 +32,8 @@ SDP_MODELS = ("gpt2", "gpt2_replaced")
 TP_CONFIG = {"ddp": True, "tensor_parallel_degree": 2}
 GROUPED = "gpt2_replaced_groups"
 """SMP's GPT-2 script at tp 2: the distributed transformer, AdamW over two groups split by weight decay."""
+GROUPED_NEOX = "neox_replaced_groups"
+"""The same for GPT-NeoX (SMP's GPT-NeoX example replaces it too)."""
 ZERO1_CONFIG = {"ddp": True, "shard_optimizer_state": True}
 
 
@@ -40,7 +42,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """{layout: (root folder, {model: rank 0's results})}: both runs, trained and saved once."""
     out = {}
     for layout, world, config, models in (("pp2-tp2", 4, PP_CONFIG, PP_MODELS), ("tp2-sdp2", 4, sdpw.CONFIG, SDP_MODELS),
-                                          ("tp2", 2, TP_CONFIG, ("gpt2", GROUPED)),
+                                          ("tp2", 2, TP_CONFIG, ("gpt2", GROUPED, GROUPED_NEOX)),
                                           ("zero1-rdp2", 2, ZERO1_CONFIG, ("gpt2",))):
         root = str(tmp_path_factory.mktemp(layout))
         phases = [{"name": m, "model": m.removesuffix("_groups"), "seed": 40 + i, "groups": m.endswith("_groups")}
@@ -62,7 +64,7 @@ CASES = [("pp2-tp2", m) for m in PP_MODELS] + [("tp2-sdp2", m) for m in SDP_MODE
 
 
 def _hf_reference(model: str, seed: int) -> torch.nn.Module:
-    return cw.trw.hf_gpt2(seed) if model == "gpt2_replaced" else tw.hf_model(model, seed)
+    return cw.hf_of(model, seed)
 
 
 @pytest.mark.slow
@@ -216,9 +218,14 @@ def _train_reference(net: torch.nn.Module, opt: torch.optim.Optimizer, steps: ra
     return out
 
 
+HF_NAMED = [(GROUPED, "gpt2", "dcp"), (GROUPED, "gpt2", "deepspeed-universal"), (GROUPED_NEOX, "gpt_neox", "dcp"),
+            (GROUPED_NEOX, "gpt_neox", "deepspeed-universal")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("to", ["dcp", "deepspeed-universal"])
-def test_distributed_transformer_exports_leave_in_hugging_face_names_weights_and_moments(runs, tmp_path, to):
+@pytest.mark.parametrize("name,family,to", HF_NAMED, ids=[f"{f}-{t}" for _, f, t in HF_NAMED])
+def test_distributed_transformer_exports_leave_in_hugging_face_names_weights_and_moments(runs, tmp_path, name,
+                                                                                          family, to):
     """SMP's GPT-2 script at tp 2 (the distributed transformer, AdamW over two groups split by weight decay):
     the DCP and universal exports hold Hugging Face's names, and the weights, both Adam moments and both groups
     equal single-process Hugging Face AdamW on the same rows; the DCP export loads with DCP's own loader into
@@ -228,11 +235,12 @@ def test_distributed_transformer_exports_leave_in_hugging_face_names_weights_and
     from tests.engine import test_tensor_parallel_dist as tpd
 
     root, _ = runs["tp2"]
-    ckpt, out = os.path.join(root, GROUPED), str(tmp_path / "export")
-    flags = ["--model-type", "gpt2", "--num-attention-heads", "4"]
+    kind = name.removesuffix("_groups")
+    ckpt, out = os.path.join(root, name), str(tmp_path / "export")
+    flags = ["--model-type", family, "--num-attention-heads", "4"]
     assert main(["checkpoint", "export", ckpt, "--to", to, out, *flags, "--quiet"]) == 0
-    seed = 40 + 1  # the second phase of the tp2 run
-    want, weights = _reference_adamw_state("gpt2_replaced", seed, dp=2, groups=True)  # tp ranks read their own rows
+    seed = 40 + (1 if name == GROUPED else 2)  # the phases of the tp2 run
+    want, weights = _reference_adamw_state(kind, seed, dp=2, groups=True)  # tp ranks read their own rows
     if to == "dcp":
         dcp_to_torch_save(out, str(tmp_path / "flat.pt"))
         got = torch.load(str(tmp_path / "flat.pt"), weights_only=False)
@@ -255,25 +263,25 @@ def test_distributed_transformer_exports_leave_in_hugging_face_names_weights_and
             tpd._close(optim["state"][name][moment], state[moment], f"{to} {name} {moment}", 1e-6)
     if to != "dcp":
         return
-    net, opt = _reference_net("gpt2_replaced", seed, groups=True)
+    net, opt = _reference_net(kind, seed, groups=True)
     expected_groups = [sorted(n for n, p in net.named_parameters() if any(p is q for q in g["params"]))
                        for g in opt.param_groups]
     assert [sorted(g["params"]) for g in optim["param_groups"]] == expected_groups
     assert [g["weight_decay"] for g in optim["param_groups"]] == [0.01, 0.0]
-    assert _continue_from_dcp(out, seed) == pytest.approx(_uninterrupted(seed), abs=1e-5)
+    assert _continue_from_dcp(out, kind, seed) == pytest.approx(_uninterrupted(kind, seed), abs=1e-5)
     smp_out = str(tmp_path / "smp-names")
     assert main(["checkpoint", "export", ckpt, "--to", to, smp_out, "--names", "smp", "--quiet"]) == 0
     dcp_to_torch_save(smp_out, str(tmp_path / "smp.pt"))
     assert any(".seq_layers." in k for k in torch.load(str(tmp_path / "smp.pt"), weights_only=False)["model"])
 
 
-def _continue_from_dcp(path: str, seed: int) -> list[float]:
+def _continue_from_dcp(path: str, model: str, seed: int) -> list[float]:
     """A fresh Hugging Face GPT-2 (other weights) and AdamW over the same groups load the DCP export with DCP's
     own loader (``get_state_dict`` / ``dcp.load`` / ``set_state_dict``, one process) and train steps 2 and 3."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    net, opt = _reference_net("gpt2_replaced", seed + 500, groups=True)
+    net, opt = _reference_net(model, seed + 500, groups=True)
     msd, osd = get_state_dict(net, opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path, no_dist=True)
@@ -281,8 +289,8 @@ def _continue_from_dcp(path: str, seed: int) -> list[float]:
     return _train_reference(net, opt, range(2, 4), dp=2)
 
 
-def _uninterrupted(seed: int) -> list[float]:
-    net, opt = _reference_net("gpt2_replaced", seed, groups=True)
+def _uninterrupted(model: str, seed: int) -> list[float]:
+    net, opt = _reference_net(model, seed, groups=True)
     return _train_reference(net, opt, range(4), dp=2)[2:]
 
 
