@@ -130,3 +130,25 @@ def test_doctor_checks_the_step_against_the_visible_gpu(files, capsys, monkeypat
     main(argv)
     memory = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["check"] == "memory"]
     assert memory[0]["status"] == "info" and "no GPU visible" in memory[0]["detail"]
+
+
+def test_fit_skips_layouts_the_model_cannot_take_and_names_why(tmp_path, capsys):
+    """A LLaMA with 2 key/value heads at 4 ranks: tensor-parallel degree 4 does not divide them. Such a candidate
+    used to end --fit with an internal error; it is skipped, with the engine's reason, and the rest is ranked."""
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500,
+        "max_position_embeddings": 64}))
+    smp = tmp_path / "smp.json"
+    smp.write_text(json.dumps({"ddp": True, "tensor_parallel_degree": 2}))
+    argv = ["explain", str(smp), "--model", str(tmp_path / "llama"), "--world-size", "4", "--batch-size", "2",
+            "--seq-len", "32", "--fit", "8GiB"]
+    assert main([*argv, "--format", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    reasons = [s["reason"] for s in found["skipped"] if s["smp_parameters"].get("tensor_parallel_degree") == 4]
+    assert reasons and "must divide" in reasons[0] and "num_key_value_heads=2" in reasons[0]
+    assert found["fitting"] and all(i["smp_parameters"].get("tensor_parallel_degree", 1) != 4
+                                    for i in found["fitting"])
+    assert main(argv) == 0
+    assert "skipped " in capsys.readouterr().out

@@ -261,6 +261,7 @@ def _write_accelerate(result: Any, args: argparse.Namespace) -> int:
 
 def _write_native(result: Any, args: argparse.Namespace) -> int:
     """``--to deepspeed --native``: the plain-DeepSpeed config, then (text format) what differs from SMP."""
+    # CLI start-up: the native config's rules load only for --native
     from smp2ds.translator.tools.native_deepspeed import native_config
 
     from . import report

@@ -246,20 +246,24 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
     batch, _ = _batch(result)
     world = int(result.topology["world_size"])
     # torch loads only with --memory / --fit (CLI start-up)
-    from smp2ds.engine.memory.estimate import usable_bytes
+    from smp2ds.engine.memory.estimate import usable_bytes  # as above
     from smp2ds.translator.planner import plan  # as above
 
     usable = usable_bytes(size)
     n_params = source.parameter_count()  # the traffic model's scale: the whole model
     fitting: list[Candidate] = []
+    skipped: list[dict[str, Any]] = []
     tried = 0
     for params in _candidate_params(dict(config.given), world, batch):
         for ckpt in (False, True):
             try:
                 candidate_plan = plan(normalize(params, layout), layout)
                 estimate = _estimate(source, candidate_plan, batch, seq, ckpt)
-            except (UsageError, ValueError):
-                continue
+            except (UsageError, ValueError, RuntimeError) as exc:
+                # a layout this model cannot take (the engine's SMPUnsupportedError is a RuntimeError: a
+                # tensor-parallel degree its heads do not divide, ...): skipped, and named in the report
+                skipped.append({"smp_parameters": params, "reason": str(exc).splitlines()[0]})
+                break
             tried += 1
             if estimate.peak <= usable:
                 scheme = traffic(candidate_plan, max(n_params, 1))
@@ -270,7 +274,7 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
                 break  # without checkpointing it fits: checkpointing only costs recomputation
     fitting.sort(key=lambda c: (c.activation_checkpointing, c.bytes_per_rank, c.peak))
     return {"device": label, "usable_bytes": usable, "world_size": world, "batch_per_rank": batch, "seq_len": seq,
-            "layouts_tried": tried,
+            "layouts_tried": tried, "skipped": skipped,
             "fitting": [{"smp_parameters": c.params, "peak": c.peak, "bytes_per_rank": c.bytes_per_rank,
                          "activation_checkpointing": c.activation_checkpointing} for c in fitting]}
 
@@ -300,9 +304,14 @@ def render_fit_text(report: Mapping[str, Any], limit: int = 5) -> str:
 
     from .report import human_bytes
 
+    shown = min(limit, len(report["fitting"]))
     head = (f"layouts of {report['world_size']} ranks that fit {report['device']} (usable "
             f"{human_bytes(report['usable_bytes'])}), batch per rank {report['batch_per_rank']} x "
-            f"{report['seq_len']} tokens: {len(report['fitting'])} of {report['layouts_tried']} tried\n")
+            f"{report['seq_len']} tokens: {len(report['fitting'])} of {report['layouts_tried']} tried fit"
+            + (f", the best {shown} shown" if shown < len(report["fitting"]) else "") + "\n")
+    skipped = report.get("skipped") or []
+    if skipped:
+        head += f"skipped {len(skipped)} layout(s) this model cannot take, e.g. {skipped[0]['reason']}\n"
     if not report["fitting"]:
         return head + "none fits: more ranks, a shorter sequence or a smaller per-rank batch\n"
     lines = [head]
