@@ -64,6 +64,6 @@ def test_checkpoint_resume_on_other_engines(tmp_path, case):
         assert out["user_content"] == {"step": 2}
     files = set(res[0]["files"])
     if case == "mics":
-        assert {"optimizer_states_0_0_0.pt", "optimizer_states_0_0_1.pt"} <= files  # one partition per rank
+        assert {"model_0.pt", "optimizer_0.pt", "optimizer_1.pt"} <= files  # SMP's sdp layout: one per shard rank
     else:
         assert {"model_0_0.pt", "model_1_0.pt", "optimizer_states_0_0.pt", "optimizer_states_1_0.pt"} <= files

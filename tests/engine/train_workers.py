@@ -259,7 +259,10 @@ def run_checkpoint(config: dict, b: int, steps: int, ckpt_dir: str) -> dict:
     user_content = smp.resume_from_checkpoint(ckpt_dir, tag=None, partial=True)
     model2, opt2 = fresh(99, reset=False)
     train(model2, opt2, steps, steps)
-    files = sorted(os.listdir(os.path.join(ckpt_dir, "mid_partial")))
+    folder = os.path.join(ckpt_dir, "mid_partial")
+    if not os.path.isdir(folder):  # SMP's sharded-data-parallel layout names the folder by the tag alone
+        folder = os.path.join(ckpt_dir, "mid")
+    files = sorted(os.listdir(folder))
     with open(os.path.join(ckpt_dir, "newest")) as handle:
         newest = handle.read().split()
     return plain({"uninterrupted": uninterrupted, "resumed": model2.state_dict(), "user_content": user_content,
