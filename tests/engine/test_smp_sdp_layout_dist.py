@@ -195,3 +195,34 @@ def test_what_cannot_be_read_is_named(runs, tmp_path, capsys):
     assert "optimizer_1.pt: missing: optimizer state of shard rank 1" in capsys.readouterr().out
     assert _cli("export", os.path.join(root, "step2"), "--to", "hf", str(tmp_path / "hf")) == 2  # no model_config
     assert "the checkpoint's user content holds no model_config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_sdp_checkpoint_exports_to_dcp_and_universal_in_hugging_face_names(runs, tmp_path, model):
+    """SMP's final sdp save (two weight-decay groups, param_shapes and model_config in the user content) leaves for
+    DCP and DeepSpeed's universal format: Hugging Face's names (the family from model_config), the trained weights,
+    both groups with their settings."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from smp2ds.engine.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
+
+    root, result = runs[model]
+    trained = result["final"]
+    if model == "gpt2_replaced":
+        trained = translate_state_dict_to_hf_gpt2(trained)
+    assert _cli("export", root, "--to", "dcp", str(tmp_path / "dcp"), "--quiet") == 0
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "flat.pt"))
+    flat = torch.load(str(tmp_path / "flat.pt"), weights_only=False)
+    assert not any(".seq_layers." in k for k in flat["model"])
+    for name, tensor in trained.items():
+        assert torch.equal(flat["model"][name], tensor), name
+    groups = flat["optim"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.0]
+    assert sorted(n for g in groups for n in g["params"]) == sorted(flat["optim"]["state"])
+    assert all(n.endswith("bias") or "ln_" in n for n in groups[1]["params"])
+    assert _cli("export", root, "--to", "deepspeed-universal", str(tmp_path / "universal"), "--quiet") == 0
+    zero = tmp_path / "universal" / FINAL / "zero"
+    for name in flat["optim"]["state"]:
+        for moment in ("exp_avg", "exp_avg_sq"):
+            got = torch.load(str(zero / name / f"{moment}.pt"), weights_only=False)["param"]
+            assert torch.equal(got, flat["optim"]["state"][name][moment]), (name, moment)
