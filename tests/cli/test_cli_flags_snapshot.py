@@ -87,6 +87,8 @@ SNAPSHOT: dict[str, dict[str, object]] = {
     "doctor": {"options": ["--batch-size", "--config", "--format{json,text}=text", "--model", "--nodes/--nnodes",
                            "--seq-len", "--world-size", "-h/--help"],
                "positionals": []},
+    "port": {"options": ["--batch-size", "--config", "--overwrite", "--report", "-h/--help", "-o/--output"],
+             "positionals": ["SCRIPT"]},
     "checkpoint": {"options": ["-h/--help"], "positionals": ["ACTION"]},
     "checkpoint inspect": {"options": ["--format{json,text}=text", "--tag", "--tensors", "-h/--help"],
                            "positionals": ["PATH"]},
@@ -134,9 +136,9 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
     return {}
 
 
-def test_subcommands_are_the_documented_five():
+def test_subcommands_are_the_documented_eight():
     assert tuple(subparsers(build_parser())) == COMMANDS == ("validate", "convert", "explain", "launch", "schema",
-                                                               "checkpoint", "doctor")
+                                                               "checkpoint", "doctor", "port")
 
 
 def test_flag_snapshot():

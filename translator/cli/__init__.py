@@ -26,7 +26,7 @@ EXIT_INVALID = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
 
-COMMANDS: tuple[str, ...] = ("validate", "convert", "explain", "launch", "schema", "checkpoint", "doctor")
+COMMANDS: tuple[str, ...] = ("validate", "convert", "explain", "launch", "schema", "checkpoint", "doctor", "port")
 
 
 class UsageError(Exception):
@@ -118,6 +118,7 @@ SUMMARIES: dict[str, str] = {
     "launch": "run an SMP script on DeepSpeed",
     "schema": "list, print or locate the JSON Schemas (editor setup)",
     "checkpoint": "inspect, consolidate, export or reshard SMP checkpoints (offline)",
+    "port": "rewrite an SMP script into a plain PyTorch + DeepSpeed script",
     "doctor": "check this machine for a job: versions, devices, ops, launch env",
 }
 

@@ -34,14 +34,16 @@ AUTOTP_REFUSED = ("deberta", "flaubert", "fsmt", "gpt2", "led", "longformer", "x
 _KEPT = ("gradient_clipping", "fp16", "bf16", "zero_allow_untested_optimizer", "steps_per_print")
 
 
-def native_config(plan: Plan, model_type: str | None = None) -> tuple[dict[str, Any], list[str]]:
+def native_config(plan: Plan, model_type: str | None = None,
+                  pipelines_by_hand: bool = False) -> tuple[dict[str, Any], list[str]]:
     """(the DeepSpeed config, the notes on what differs from SMP) for ``plan`` (its per-rank batch: ``--batch-size``
     or the hyperparameters). Raises :class:`SMPConfigError` naming the key for what native DeepSpeed cannot run as
-    SMP did."""
+    SMP did. ``pipelines_by_hand``: a pipeline is not refused (``smp2ds port`` marks it for a person) and the config
+    covers the rest of the layout."""
     topo, settings = plan.topology_settings, plan.engine_settings
     batch_size = settings.batch.per_rank_batch
     issues = []
-    if topo.pipeline_parallel_degree > 1:
+    if topo.pipeline_parallel_degree > 1 and not pipelines_by_hand:
         issues.append(Issue("/pipeline_parallel_degree", f"pipeline_parallel_degree {topo.pipeline_parallel_degree}: "
                             "a plain DeepSpeed script runs pipelines only through deepspeed.pipe.PipelineModule, "
                             "which needs the model written as a layer list",
@@ -66,7 +68,7 @@ def native_config(plan: Plan, model_type: str | None = None) -> tuple[dict[str, 
     if rows % micro_batches:
         raise SMPConfigError([Issue("/microbatches", f"the per-rank batch {rows} does not split into "
                                     f"{micro_batches} micro-batches", hint="choose a batch size they divide")])
-    dp = topo.world_size // tp
+    dp = topo.world_size // (tp * topo.pipeline_parallel_degree)
     micro = rows // micro_batches
     config: dict[str, Any] = {k: plan.deepspeed[k] for k in _KEPT if k in plan.deepspeed}
     config.update({"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": micro_batches,
@@ -94,6 +96,9 @@ def native_config(plan: Plan, model_type: str | None = None) -> tuple[dict[str, 
                      + ("" if model_type else f"; AutoTP refuses {', '.join(AUTOTP_REFUSED)}: give --model to check")
                      + ("" if prescaled else f"; each tensor-parallel group feeds {rows} identical rows (SMP's "
                         "tensor-parallel ranks read their own rows without prescaled_batch)"))
+    if topo.pipeline_parallel_degree > 1:
+        notes.append(f"pipeline_parallel_degree {topo.pipeline_parallel_degree} is left for a person: DeepSpeed's "
+                     "PipelineModule needs the model as a layer list; this config covers the rest of the layout")
     if stage == 1 and sdp <= 1:
         notes.append("shard_optimizer_state -> ZeRO stage 1")
     return config, notes
