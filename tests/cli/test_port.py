@@ -38,7 +38,7 @@ runpy.run_path(script, run_name="__main__")
 def _port(tmp_path: Path, source: str, params: dict | None = None, *flags: str) -> tuple[int, Path]:
     script, out = tmp_path / "train.py", tmp_path / "train_deepspeed.py"
     script.write_text(source, encoding="utf-8")
-    argv = ["port", str(script), "-o", str(out), "--report", str(tmp_path / "report.md"), *flags]
+    argv = ["port", str(script), "-o", str(out), "--report", str(tmp_path / "report.txt"), *flags]
     if params is not None:
         (tmp_path / "smp.json").write_text(json.dumps(params), encoding="utf-8")
         argv += ["--config", str(tmp_path / "smp.json")]
@@ -122,7 +122,7 @@ def test_each_rule_rewrites_and_comments_and_layout_stay(tmp_path, capsys):
         assert rewritten in text, rewritten
     assert "@sm.step" not in text and "opt.zero_grad()" not in text and "opt.step()" not in text
     compile(text, str(out), "exec")
-    report = (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.txt").read_text()
     assert "## Rewritten (" in report and "| 11 | `sm.init( )` | `deepspeed.init_distributed()` |" in report
     assert "## Left for a person (0)" in report and "gradient_accumulation_steps 2" in report
 
@@ -138,7 +138,7 @@ def test_pipelines_and_unknown_calls_are_marked_and_listed(tmp_path, capsys):
     assert "with sm.partition(1):  # smp2ds port: pipelines: DeepSpeed's PipelineModule" in text
     assert "sm.set_partition(layer, 0)  # smp2ds port: pipelines" in text
     assert "sm.resume_from_checkpoint('/ckpt')  # smp2ds port: resume with engine.load_checkpoint" in text
-    report = (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.txt").read_text()
     assert "## Left for a person (" in report and "set_partition" in report and "resume_from_checkpoint" in report
 
 

@@ -1,4 +1,4 @@
-"""``smp2ds port SCRIPT.py [-o OUT.py] [--config SMP_PARAMS.json] [--report REPORT.md]``: an SMP v1 script rewritten
+"""``smp2ds port SCRIPT.py [-o OUT.py] [--config SMP_PARAMS.json] [--report REPORT]``: an SMP v1 script rewritten
 into a plain PyTorch + DeepSpeed script (``translator/tools/port.py``), with the DeepSpeed config of the job's
 layout written beside it (``OUT`` with ``.deepspeed.json``), which the ported script finds by itself.
 
