@@ -20,6 +20,16 @@ import torch
 from torch import nn
 
 from smp2ds.engine.core.activation_checkpointing import checkpoint_forward
+from smp2ds.engine.memory.block_scaling import (
+    HIGH,
+    LOW,
+    SCALE_ABOVE,
+    block_span,
+    counts_for,
+    scale_count,
+    scale_trace,
+    stage_segment,
+)
 from smp2ds.engine.memory.model_source import ModelSource
 from smp2ds.engine.memory.model_states import StatePart, model_states
 from smp2ds.engine.memory.step_trace import StepTrace, trace_step
@@ -149,10 +159,18 @@ class StepShape:
     """SMP's ``prescaled_batch``: False (its default) gathers the tensor-parallel group's batches in each block."""
 
 
-def estimate_memory(source: ModelSource, shape: StepShape) -> MemoryEstimate:
-    """Trace ``source``'s model for ``shape`` on fake tensors and add the model-state formulas."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+TraceCache = dict[tuple[Any, ...], tuple[list["Stage"], "nn.Module | None"]]
+"""Traced stages by the step's shape (``estimate_memory(..., cache=)``): layouts that differ only in how model
+states are sharded share one trace (``--fit``)."""
 
+
+def estimate_memory(source: ModelSource, shape: StepShape, *, cache: TraceCache | None = None,
+                    scale: bool = True) -> MemoryEstimate:
+    """Trace ``source``'s model for ``shape`` on fake tensors and add the model-state formulas.
+
+    ``cache``: traces kept across calls for one ``source``. ``scale``: a model of more than
+    ``block_scaling.SCALE_ABOVE`` blocks built from a Hugging Face config is traced on a few blocks and scaled
+    (:mod:`.block_scaling`, exact for alike blocks); False traces every block."""
     if shape.batch_per_rank % shape.microbatches:
         raise ValueError(f"the per-rank batch {shape.batch_per_rank} is not divisible by microbatches "
                          f"{shape.microbatches}")
@@ -160,19 +178,14 @@ def estimate_memory(source: ModelSource, shape: StepShape) -> MemoryEstimate:
     sharded = shape.zero_stage == 3
     if sharded and shape.pipeline_stages > 1:
         raise ValueError("sharded data parallelism with pipeline stages is not estimated")
-    tp = shape.tensor_parallel
-    with fake_group(tp) if tp > 1 else contextlib.nullcontext() as group, FakeTensorMode(allow_non_fake_inputs=True):
-        with _default_dtype(shape.dtype):  # fake tensors cannot be converted: built (and replaced) in the step's dtype
-            model = source.build().train()
-            if tp > 1:
-                shard(model, group, tp, shape.prescaled_batch)
-        if shape.activation_checkpointing:
-            checkpoint_blocks(model)
-        inputs = source.make_inputs(model, micro, shape.seq_len)
-        if shape.pipeline_stages == 1:
-            stages = [_whole_model(model, inputs, preallocate_grads=not sharded)]
-        else:
-            stages = _pipeline_stages(model, inputs, shape)
+    key = (shape.pipeline_stages, shape.tensor_parallel, micro, shape.seq_len, shape.dtype,
+           shape.activation_checkpointing, shape.memory_weight, shape.prescaled_batch, sharded, scale)
+    if cache is not None and key in cache:
+        stages, model = cache[key]
+    else:
+        stages, model = _traced_stages(source, shape, micro, scale=scale)
+        if cache is not None:
+            cache[key] = (stages, model)
     half = shape.dtype in (torch.float16, torch.bfloat16)
     elem = torch.tensor([], dtype=shape.dtype).element_size()
     roles = []
@@ -182,6 +195,7 @@ def estimate_memory(source: ModelSource, shape: StepShape) -> MemoryEstimate:
         transient = trace.peak - trace.parameters - trace.gradients - trace.peak_activations
         parameters, gradients, shown = trace.parameters, trace.gradients, []
         if sharded:
+            assert model is not None  # built whole for the census under sharded data parallelism
             found = census([model], shape.optimizer_shard, shape.zero_config)
             z3 = zero3_states(found, element_size=elem, shard=shape.optimizer_shard, replicas=shape.replicas,
                               zero_config=shape.zero_config, traced_gradients=trace.gradients,
@@ -204,6 +218,53 @@ def estimate_memory(source: ModelSource, shape: StepShape) -> MemoryEstimate:
     return MemoryEstimate(model=source.description, roles=tuple(roles), micro_batch=micro, seq_len=shape.seq_len,
                           dtype=str(shape.dtype).replace("torch.", ""),
                           activation_checkpointing=shape.activation_checkpointing)
+
+
+def _traced_stages(source: ModelSource, shape: StepShape, micro: int, *, scale: bool) -> tuple[list[Stage],
+                                                                                                nn.Module | None]:
+    """Each stage's (layers, parameters held, trace), and the whole model when sharded data parallelism needs its
+    census (else None where only small models were built)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sharded = shape.zero_stage == 3
+    blocks = source.blocks if scale else None
+    tp = shape.tensor_parallel
+    with fake_group(tp) if tp > 1 else contextlib.nullcontext() as group, FakeTensorMode(allow_non_fake_inputs=True):
+
+        def build(built_from: ModelSource) -> nn.Module:
+            with _default_dtype(shape.dtype):  # fake tensors cannot be converted: built (and replaced) in the dtype
+                model = built_from.build().train()
+                if tp > 1:
+                    shard(model, group, tp, shape.prescaled_batch)
+            if shape.activation_checkpointing:
+                checkpoint_blocks(model)
+            return model
+
+        if blocks is not None and blocks[1] > SCALE_ABOVE:
+            whole = build(source) if sharded or shape.pipeline_stages > 1 else None
+            if shape.pipeline_stages == 1:
+                return [_scaled_whole_model(source, build, micro, shape.seq_len, blocks[1], sharded)], whole
+            assert whole is not None
+            small = build(source.with_blocks(SCALE_ABOVE))
+            stages = _scaled_pipeline_stages(whole, small, source.make_inputs(small, micro, shape.seq_len), shape)
+            if stages is not None:
+                return stages, whole
+        model = build(source)
+        inputs = source.make_inputs(model, micro, shape.seq_len)
+        if shape.pipeline_stages == 1:
+            return [_whole_model(model, inputs, preallocate_grads=not sharded)], model
+        return _pipeline_stages(model, inputs, shape), model
+
+
+def _scaled_whole_model(source: ModelSource, build: Any, micro: int, seq_len: int, blocks: int,
+                        sharded: bool) -> Stage:
+    """The whole model's trace from models of ``LOW`` and ``HIGH`` blocks."""
+    traced = []
+    for count in (LOW, HIGH):
+        model = build(source.with_blocks(count))
+        traced.append(_whole_model(model, source.make_inputs(model, micro, seq_len), preallocate_grads=not sharded))
+    (names, low_elements, low), (_, high_elements, high) = traced
+    return names, scale_count(low_elements, high_elements, blocks), scale_trace(low, high, blocks)
 
 
 Stage = tuple[tuple[str, str], int, StepTrace]
@@ -298,6 +359,52 @@ def _pipeline_stages(model: nn.Module, inputs: dict[str, Any], shape: StepShape)
         trace, x = cache[key]
         out.append(((stage_layers[0].name, stage_layers[-1].name), _elements(modules), trace))
     return out
+
+
+def _scaled_pipeline_stages(whole: nn.Module, small: nn.Module, inputs: dict[str, Any],
+                            shape: StepShape) -> list[Stage] | None:
+    """Each stage of ``whole``'s partition traced on ``small`` (the same model with ``SCALE_ABOVE`` blocks): the
+    stage's own first and last layers with up to ``HIGH`` blocks, scaled to the stage's block count
+    (:mod:`.block_scaling`). None when the layer lists do not have one run of blocks alike (traced whole then)."""
+    whole_list, small_list = build_layer_list(whole), build_layer_list(small)
+    whole_span = block_span([layer.name for layer in whole_list.layers])
+    small_span = block_span([layer.name for layer in small_list.layers])
+    if (whole_span is None or small_span is None or small_span.count != SCALE_ABOVE
+            or (whole_span.head, whole_span.tail) != (small_span.head, small_span.tail)):
+        return None
+    plan = plan_partition(whole_list, shape.pipeline_stages, memory_weight=shape.memory_weight)
+    layers = small_list.layers
+    built: dict[str, nn.Module] = {}
+    traces: dict[tuple[int, int], StepTrace] = {}
+    out: list[Stage] = []
+    for info in plan.stages:
+        stage_blocks = max(0, min(info.stop, whole_span.head + whole_span.count) - max(info.start, whole_span.head))
+        found = []
+        for count in counts_for(stage_blocks):
+            segment = stage_segment(info.start, info.stop, whole_span, small_span, count)
+            if segment is None:
+                return None
+            span = (segment.start, segment.stop)
+            if span not in traces:
+                first_input = _input_of(small_list, inputs, segment.start, built)
+                run = _stage_run(small_list, inputs, first_input, segment.start, segment.stop, built, [])
+                traces[span] = trace_step(run, [m for layer in layers[segment.start:segment.stop]
+                                                for m in layer.modules])
+            found.append(traces[span])
+        trace = found[0] if len(found) == 1 else scale_trace(found[0], found[1], stage_blocks)
+        stage_layers = whole_list.layers[info.start:info.stop]
+        out.append(((stage_layers[0].name, stage_layers[-1].name),
+                    _elements([m for layer in stage_layers for m in layer.modules]), trace))
+    return out
+
+
+def _input_of(layer_list: Any, inputs: dict[str, Any], start: int, built: dict[str, nn.Module]) -> Any:
+    """What layer ``start`` receives: the model's inputs through the layers before it, untraced."""
+    x = layer_list.adapter.pipe_inputs((), inputs)
+    with torch.no_grad():
+        for i in range(start):
+            x = _call(layer_list.layers[i].entry, x, built)
+    return _detached(x)
 
 
 def _signature(x: Any) -> tuple:

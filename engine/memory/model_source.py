@@ -21,6 +21,10 @@ from torch import nn
 
 InputMaker = Callable[[int, int], dict[str, Any]]
 
+BLOCK_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+"""The Hugging Face config keys that give a model's number of transformer blocks."""
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """A buildable model: ``build()`` returns the whole model (call it under fake mode)."""
@@ -37,6 +41,28 @@ class ModelSource:
         return sum(p.numel() for p in model.parameters())
 
     @property
+    def blocks(self) -> tuple[str, int] | None:
+        """(config key, count) of the model's transformer blocks, when a Hugging Face config names them (a model
+        built by the user's function is not rebuilt with another count)."""
+        config = self.hf_config or {}
+        if config.get("is_encoder_decoder", _encoder_decoder_by_default(config.get("model_type"))):
+            return None  # two block stacks (T5, BART): traced whole
+        for key in BLOCK_COUNT_KEYS:
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return key, value
+        return None
+
+    def with_blocks(self, count: int) -> ModelSource:
+        """The same model with ``count`` transformer blocks (the memory estimate traces a few blocks and scales:
+        :mod:`.block_scaling`); ValueError for a source whose block count is not a config key."""
+        found = self.blocks
+        if found is None or self.hf_config is None:
+            raise ValueError(f"{self.description}: no block count to change")
+        config = {**self.hf_config, found[0]: count}
+        return _from_hf_config(config, self.description.rsplit(" from ", 1)[-1])
+
+    @property
     def default_seq_len(self) -> int | None:
         """The config's maximum positions, the sequence length when neither flag nor config gives one."""
         for key in ("max_position_embeddings", "n_positions", "n_ctx"):
@@ -44,6 +70,15 @@ class ModelSource:
             if isinstance(value, int):
                 return value
         return None
+
+
+def _encoder_decoder_by_default(model_type: Any) -> bool:
+    import transformers
+
+    try:
+        return bool(transformers.AutoConfig.for_model(str(model_type)).is_encoder_decoder)
+    except ValueError:  # a model type transformers does not know: its model class decides (built whole)
+        return True
 
 
 def load_model_source(spec: str) -> ModelSource:
