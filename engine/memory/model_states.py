@@ -13,6 +13,9 @@ state, Adam's two fp32 moments):
   model's size, when backward starts. DDP flattens one bucket at a time, at most all the gradients, after
   backward.
 
+The bytes per parameter are ``smp2ds.translator.model_state_bytes``'s, shared with ``explain --params``; here
+each is a line with its reason and phase.
+
 A part lives either through the whole step (``persistent``) or only while gradients are reduced and the
 optimizer steps, after backward has freed the activations (``step``): the fp32 gradients and the flattened
 DDP bucket. Each figure is one line of :func:`model_states` with its reason, so the report can show it.
@@ -24,8 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-FP32 = 4
-ADAM_MOMENTS = 2 * FP32
+from smp2ds.translator.model_state_bytes import ADAM_MOMENTS, FP32
+
 DEFAULT_BUCKET = int(5e8)  # DeepSpeed's reduce_bucket_size default (elements)
 
 

@@ -38,11 +38,12 @@ def test_sharded_data_parallel_on_two_nodes(tmp_path, capsys):
     assert (summary["nodes"], summary["data_parallel_size"], summary["shard_size"]) == (2, 4, 2)
     assert summary["layouts"]["selected"]["scheme"] == "mics"
     assert figures(summary) == {
-        # 16e6 / 2; gathers fwd+bwd and reduce-scatter in the node: 3 * 1/2 * 4e6;
-        # replica all-reduce of the 4e6/2 partition across nodes: 2 * 1/2 * 2e6
-        "selected": (8e6, 6e6, 2e6),
-        # 16e6 / 4; 3 * 3/4 * 4e6, the group of 4 spans both nodes
-        "zero3": (4e6, 0.0, 9e6),
+        # ZeRO-3 in fp32 keeps 24 bytes per parameter (4 + 4 parameter and gradient, 8 of moments, 8 of fp32
+        # copy and gradients) over the shard group: 24e6 / 2; gathers fwd+bwd and reduce-scatter in the node:
+        # 3 * 1/2 * 4e6; replica all-reduce of the 4e6/2 partition across nodes: 2 * 1/2 * 2e6
+        "selected": (12e6, 6e6, 2e6),
+        # 24e6 / 4; 3 * 3/4 * 4e6, the group of 4 spans both nodes
+        "zero3": (6e6, 0.0, 9e6),
         # everything replicated; one all-reduce 2 * 3/4 * 4e6 across nodes
         "ddp": (16e6, 0.0, 6e6),
     }
@@ -56,7 +57,8 @@ def test_pipeline_layout_of_the_docs_example(capsys):
     slice_bytes = 1e9 / 2 * 4  # M = 2e9
     assert figures(summary) == {
         "selected": (8e9, 2 * 3 / 4 * slice_bytes, 0.0),  # the plan is DDP across the rdp group
-        "zero3": (2e9, 3 * 4 * 3 / 4 * slice_bytes, 0.0),  # 3 collectives per micro-batch, 4 micro-batches
+        # fp32 ZeRO-3: 24 bytes per parameter over 4; 3 collectives per micro-batch, 4 micro-batches
+        "zero3": (3e9, 3 * 4 * 3 / 4 * slice_bytes, 0.0),
         "ddp": (8e9, 2 * 3 / 4 * slice_bytes, 0.0),
     }
 
@@ -67,6 +69,6 @@ def test_text_table(capsys):
     lines = out.splitlines()
     assert lines[0].startswith(f"{DOCS_EXAMPLE}: 1B parameters (default: pass --params) on 8 ranks (1 node(s) x 8)")
     assert lines[1].split("  ")[0] == "layout" and "cross-node bytes/rank/step" in lines[1]
-    # 8e9 bytes = 7.45 GiB of model states; 3e9 bytes = 2.79 GiB all-reduce; 18e9 = 16.76 GiB
+    # 8e9 bytes = 7.45 GiB of model states; 3e9 bytes = 2.79 GiB all-reduce (and ZeRO-3's states); 18e9 = 16.76 GiB
     assert lines[3].split() == ["this", "plan", "(ddp)", "7.45", "GiB", "2.79", "GiB", "0", "B"]
-    assert lines[4].split()[-6:] == ["1.86", "GiB", "16.76", "GiB", "0", "B"]
+    assert lines[4].split()[-6:] == ["2.79", "GiB", "16.76", "GiB", "0", "B"]

@@ -226,3 +226,27 @@ def test_device_sizes_and_names():
     with pytest.raises(ValueError, match="known GPU"):
         device_bytes("tpu-v5")
     assert usable_bytes(80 << 30) == int(((80 << 30) - CONTEXT_BYTES) * 0.95)
+
+
+@pytest.mark.parametrize("precision", [{"bf16": True}, {}], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("sharding", [{}, {"shard_optimizer_state": True}], ids=["ddp", "zero1"])
+def test_explain_params_and_explain_memory_count_the_same_model_state_bytes(precision, sharding):
+    """``explain --params`` (the traffic model's per-rank model states) and ``explain --memory`` (the formula parts
+    plus the traced parameters and gradients) agree for the same slice: one table of bytes per parameter."""
+    from smp2ds.translator.plan_types import Layout
+    from smp2ds.translator.normalize import normalize
+    from smp2ds.translator.planner import plan
+    from smp2ds.translator.tools.estimate import estimate
+
+    layout = Layout(world_size=4, gpus_per_node=4)
+    the_plan = plan(normalize({"ddp": True, **precision, **sharding}, layout), layout)
+    params = 10_000_000
+    scheme = estimate(the_plan, params)
+    per_rank = scheme["schemes"][scheme["selected"]]["memory_bytes_per_rank"]
+    width = 2 if precision else 4
+    optimizer, _ = model_states(elements=params, grad_bytes_per_element=width, half=bool(precision),
+                                zero_stage=1 if sharding else 0, shard=4, zero_config={})
+    assert per_rank == 2 * width * params + sum(part.bytes for part in optimizer)
+    assert per_rank == {("bf16", "ddp"): 20, ("fp32", "ddp"): 16, ("bf16", "zero1"): 4 + 16 / 4,
+                        ("fp32", "zero1"): 8 + 16 / 4}[("bf16" if precision else "fp32",
+                                                        "zero1" if sharding else "ddp")] * params

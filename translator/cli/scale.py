@@ -78,7 +78,8 @@ def render_scale_text(summary: Mapping[str, Any], source: str) -> str:
     ]
     columns = ["layout", "model states/rank", "in-node bytes/rank/step", "cross-node bytes/rank/step"]
     notes = (
-        "model states: Adam, 16 bytes per parameter before sharding; activations excluded. Traffic: ring "
+        "model states: Adam under DeepSpeed, 20 bytes per parameter in 16-bit DDP, 16 in fp32, 2w + 16 under ZeRO "
+        "(w = parameter bytes), sharded as the layout says; activations excluded. Traffic: ring "
         "collectives of the data-parallel schemes per optimizer step; cross-node counts every collective whose "
         "group spans nodes. Formulas: smp2ds.translator.tools.estimate."
     )

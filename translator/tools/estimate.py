@@ -4,8 +4,9 @@ The formulas are docs/internals.md#cost-model (a standard ring alpha-beta model,
 measured): Psi parameters; M = bytes of one copy of the parameters a rank's data-parallel group
 handles (Psi / (pp*tp) parameters x 2 bytes for fp16/bf16, 4 for fp32); s = micro-batches per
 optimizer step; a ring all-gather or reduce-scatter over g ranks moves (g-1)/g x M per rank, an
-all-reduce 2(g-1)/g x M. Model states are 16 bytes per parameter for Adam in both mixed
-precision (2 params + 2 grads + 12 fp32 master/momentum/variance) and fp32 (4 + 4 + 8).
+all-reduce 2(g-1)/g x M. Model-state bytes per parameter are ``translator/model_state_bytes.py``'s, the ones the
+memory estimate uses: 20 for 16-bit DDP (fp32 master and gradients besides Adam's moments), 16 for fp32 DDP,
+2w + 16/N under ZeRO-1, (2w + 16)/N under ZeRO-3.
 
 * DDP (ZeRO-0): everything replicated; one gradient all-reduce per step.
 * ZeRO-1 (shard_optimizer_state): optimizer state / N; reduce-scatter + all-gather per step.
@@ -26,10 +27,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..model_state_bytes import model_state_bytes_per_parameter
 from ..plan_types import Layout, Plan, SMPConfig
 from ..topology import Topology
-
-BYTES_PER_PARAM_STATES = 16
 
 
 def estimate(
@@ -62,8 +62,12 @@ def estimate(
     width = 2 if half else 4
     per_slice = float(n_params) / (topo.pp * topo.tp)
     copy = per_slice * width
-    states = per_slice * BYTES_PER_PARAM_STATES
     n = topo.rdp
+
+    def states_at(stage: int, over: int) -> float:
+        return per_slice * model_state_bytes_per_parameter(width=width, zero_stage=stage, shard=over)
+
+    states = states_at(0, 1)
     rdp_spans = _spans(topo.groups("rdp")[0], rpn)
     schemes: dict[str, Any] = {
         "ddp": _scheme(
@@ -71,16 +75,17 @@ def estimate(
         ),
         "zero1": _scheme(
             states,
-            2 * width * per_slice + (BYTES_PER_PARAM_STATES - 2 * width) * per_slice / n,
+            states_at(1, n),
             [
                 _hop("gradient reduce-scatter", "reduce_scatter", n, 1, _ring(n) * copy, rdp_spans),
                 _hop("parameter all-gather", "all_gather", n, 1, _ring(n) * copy, rdp_spans),
             ],
         ),
-        "zero3": _scheme(states, states / n, _sharded_hops(n, steps, copy, rdp_spans)),
+        "zero3": _scheme(states, states_at(3, n), _sharded_hops(n, steps, copy, rdp_spans)),
     }
     if shard > 1:
-        schemes["mics"] = _mics(topo, shard, rpn, steps, copy, states, bool(_hierarchical(plan_or_config)))
+        schemes["mics"] = _mics(topo, shard, rpn, steps, copy, states, states_at(3, shard),
+                                bool(_hierarchical(plan_or_config)))
     selected = "mics" if shard > 1 else {0: "ddp", 1: "zero1"}.get(ds["zero_optimization"]["stage"], "zero3")
     return {
         "n_params": float(n_params),
@@ -93,7 +98,8 @@ def estimate(
         "selected": selected,
         "schemes": schemes,
         "assumptions": [
-            "Adam, 16 bytes of model state per parameter; activations and buffers not included",
+            "Adam under DeepSpeed: 20 bytes of model state per parameter in 16-bit DDP, 16 in fp32 (fp32 master and "
+            "gradients), sharded by ZeRO; activations and buffers not included",
             "ring collectives; cross-node bytes count every collective whose group spans nodes (upper bound)",
             "tensor/pipeline parallelism divides the parameters evenly; its activation traffic is excluded",
         ],
@@ -143,7 +149,8 @@ def _hierarchical(plan: Plan) -> bool:
 
 
 def _mics(
-    topo: Topology, shard: int, rpn: int, steps: int, copy: float, states: float, hierarchical: bool
+    topo: Topology, shard: int, rpn: int, steps: int, copy: float, states: float, sharded_states: float,
+    hierarchical: bool
 ) -> dict[str, Any]:
     shard_group = topo.shard_groups(shard)[0]
     replica_group = topo.replica_groups(shard)[0]
@@ -189,7 +196,7 @@ def _mics(
             _spans(replica_group, rpn),
         )
     )
-    out = _scheme(states, states / shard, hops)
+    out = _scheme(states, sharded_states, hops)
     out["replicas"] = replicas
     out["nodes_per_shard_group"] = nodes_in_shard
     out["hierarchical_allgather"] = hierarchical and shard_spans
