@@ -24,6 +24,7 @@ from smp2ds.engine.memory.block_scaling import (
     HIGH,
     LOW,
     SCALE_ABOVE,
+    BlockSpan,
     block_span,
     counts_for,
     scale_count,
@@ -159,9 +160,11 @@ class StepShape:
     """SMP's ``prescaled_batch``: False (its default) gathers the tensor-parallel group's batches in each block."""
 
 
-TraceCache = dict[tuple[Any, ...], tuple[list["Stage"], "nn.Module | None"]]
-"""Traced stages by the step's shape (``estimate_memory(..., cache=)``): layouts that differ only in how model
-states are sharded share one trace (``--fit``)."""
+TraceCache = dict[tuple[Any, ...], Any]
+"""What ``estimate_memory(..., cache=)`` keeps for one model source across layouts (``--fit``): each shape's traced
+stages (layouts that differ only in how model states are sharded share them), the whole model of a tensor-parallel
+degree (its partition and census) and the traces of a small model's layer stretches (pipelines of other degrees
+reuse them)."""
 
 
 def estimate_memory(source: ModelSource, shape: StepShape, *, cache: TraceCache | None = None,
@@ -183,7 +186,7 @@ def estimate_memory(source: ModelSource, shape: StepShape, *, cache: TraceCache 
     if cache is not None and key in cache:
         stages, model = cache[key]
     else:
-        stages, model = _traced_stages(source, shape, micro, scale=scale)
+        stages, model = _traced_stages(source, shape, micro, scale=scale, cache=cache if cache is not None else {})
         if cache is not None:
             cache[key] = (stages, model)
     half = shape.dtype in (torch.float16, torch.bfloat16)
@@ -220,10 +223,27 @@ def estimate_memory(source: ModelSource, shape: StepShape, *, cache: TraceCache 
                           activation_checkpointing=shape.activation_checkpointing)
 
 
-def _traced_stages(source: ModelSource, shape: StepShape, micro: int, *, scale: bool) -> tuple[list[Stage],
-                                                                                                nn.Module | None]:
+def tensor_parallel_refusal(source: ModelSource, tp: int, prescaled_batch: bool = False) -> str | None:
+    """Why the engine cannot cut ``source``'s model over ``tp`` ranks (a degree its heads do not divide, ...), or
+    None when it can: one block is built and cut on fake tensors (the whole model when it has no block count)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if tp == 1:
+        return None
+    built_from = source.with_blocks(1) if source.blocks is not None else source
+    try:
+        with fake_group(tp) as group, FakeTensorMode(allow_non_fake_inputs=True):
+            shard(built_from.build(), group, tp, prescaled_batch)
+    except (RuntimeError, ValueError) as exc:  # the engine's SMPUnsupportedError is a RuntimeError
+        return str(exc).splitlines()[0]
+    return None
+
+
+def _traced_stages(source: ModelSource, shape: StepShape, micro: int, *, scale: bool,
+                   cache: TraceCache) -> tuple[list[Stage], nn.Module | None]:
     """Each stage's (layers, parameters held, trace), and the whole model when sharded data parallelism needs its
-    census (else None where only small models were built)."""
+    census (else None where only small models were built). ``cache`` keeps, besides whole estimates, the whole
+    model of a tensor-parallel degree and the traces of small models' layer stretches, shared across layouts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     sharded = shape.zero_stage == 3
@@ -231,22 +251,28 @@ def _traced_stages(source: ModelSource, shape: StepShape, micro: int, *, scale: 
     tp = shape.tensor_parallel
     with fake_group(tp) if tp > 1 else contextlib.nullcontext() as group, FakeTensorMode(allow_non_fake_inputs=True):
 
-        def build(built_from: ModelSource) -> nn.Module:
+        def build(built_from: ModelSource, checkpointed: bool = True) -> nn.Module:
             with _default_dtype(shape.dtype):  # fake tensors cannot be converted: built (and replaced) in the dtype
                 model = built_from.build().train()
                 if tp > 1:
                     shard(model, group, tp, shape.prescaled_batch)
-            if shape.activation_checkpointing:
+            if shape.activation_checkpointing and checkpointed:
                 checkpoint_blocks(model)
             return model
 
         if blocks is not None and blocks[1] > SCALE_ABOVE:
-            whole = build(source) if sharded or shape.pipeline_stages > 1 else None
+            whole = None
+            if sharded or shape.pipeline_stages > 1:
+                # parameter counts only (the partition, the census): built once per degree and dtype
+                whole_key = ("whole", tp, shape.dtype, shape.prescaled_batch)
+                if whole_key not in cache:
+                    cache[whole_key] = build(source, checkpointed=False)  # type: ignore[assignment]
+                whole = cache[whole_key]  # type: ignore[assignment]
             if shape.pipeline_stages == 1:
                 return [_scaled_whole_model(source, build, micro, shape.seq_len, blocks[1], sharded)], whole
             assert whole is not None
-            small = build(source.with_blocks(SCALE_ABOVE))
-            stages = _scaled_pipeline_stages(whole, small, source.make_inputs(small, micro, shape.seq_len), shape)
+            stages = _scaled_pipeline_stages(whole, lambda: build(source.with_blocks(SCALE_ABOVE)), source, shape,
+                                             micro, cache)
             if stages is not None:
                 return stages, whole
         model = build(source)
@@ -361,36 +387,47 @@ def _pipeline_stages(model: nn.Module, inputs: dict[str, Any], shape: StepShape)
     return out
 
 
-def _scaled_pipeline_stages(whole: nn.Module, small: nn.Module, inputs: dict[str, Any],
-                            shape: StepShape) -> list[Stage] | None:
-    """Each stage of ``whole``'s partition traced on ``small`` (the same model with ``SCALE_ABOVE`` blocks): the
-    stage's own first and last layers with up to ``HIGH`` blocks, scaled to the stage's block count
-    (:mod:`.block_scaling`). None when the layer lists do not have one run of blocks alike (traced whole then)."""
-    whole_list, small_list = build_layer_list(whole), build_layer_list(small)
+def _scaled_pipeline_stages(whole: nn.Module, build_small: Any, source: ModelSource, shape: StepShape, micro: int,
+                            cache: TraceCache) -> list[Stage] | None:
+    """Each stage of ``whole``'s partition traced on a small model (the same with ``SCALE_ABOVE`` blocks, built by
+    ``build_small`` when a stretch is not yet in ``cache``): the stage's own first and last layers with up to
+    ``HIGH`` blocks, scaled to the stage's block count (:mod:`.block_scaling`). None when the layer lists do not
+    have one run of alike blocks (traced whole then)."""
+    whole_list = build_layer_list(whole)
     whole_span = block_span([layer.name for layer in whole_list.layers])
-    small_span = block_span([layer.name for layer in small_list.layers])
-    if (whole_span is None or small_span is None or small_span.count != SCALE_ABOVE
-            or (whole_span.head, whole_span.tail) != (small_span.head, small_span.tail)):
+    if whole_span is None:
         return None
+    small_span = BlockSpan(head=whole_span.head, count=SCALE_ABOVE, tail=whole_span.tail)
     plan = plan_partition(whole_list, shape.pipeline_stages, memory_weight=shape.memory_weight)
-    layers = small_list.layers
-    built: dict[str, nn.Module] = {}
-    traces: dict[tuple[int, int], StepTrace] = {}
+    small: dict[str, Any] = {}
+
+    def trace_of(start: int, stop: int) -> StepTrace | None:
+        key = ("stretch", shape.tensor_parallel, shape.dtype, shape.prescaled_batch, shape.activation_checkpointing,
+               micro, shape.seq_len, start, stop)
+        if key not in cache:
+            if not small:
+                model = build_small()
+                layer_list = build_layer_list(model)
+                if block_span([layer.name for layer in layer_list.layers]) != small_span:
+                    return None
+                small.update(list=layer_list, inputs=source.make_inputs(model, micro, shape.seq_len), built={})
+            layer_list, built = small["list"], small["built"]
+            first_input = _input_of(layer_list, small["inputs"], start, built)
+            run = _stage_run(layer_list, small["inputs"], first_input, start, stop, built, [])
+            cache[key] = trace_step(run, [m for layer in layer_list.layers[start:stop]  # type: ignore[assignment]
+                                          for m in layer.modules])
+        return cache[key]  # type: ignore[return-value]
+
     out: list[Stage] = []
     for info in plan.stages:
         stage_blocks = max(0, min(info.stop, whole_span.head + whole_span.count) - max(info.start, whole_span.head))
         found = []
         for count in counts_for(stage_blocks):
             segment = stage_segment(info.start, info.stop, whole_span, small_span, count)
-            if segment is None:
+            trace = trace_of(segment.start, segment.stop) if segment is not None else None
+            if trace is None:
                 return None
-            span = (segment.start, segment.stop)
-            if span not in traces:
-                first_input = _input_of(small_list, inputs, segment.start, built)
-                run = _stage_run(small_list, inputs, first_input, segment.start, segment.stop, built, [])
-                traces[span] = trace_step(run, [m for layer in layers[segment.start:segment.stop]
-                                                for m in layer.modules])
-            found.append(traces[span])
+            found.append(trace)
         trace = found[0] if len(found) == 1 else scale_trace(found[0], found[1], stage_blocks)
         stage_layers = whole_list.layers[info.start:info.stop]
         out.append(((stage_layers[0].name, stage_layers[-1].name),

@@ -51,16 +51,23 @@ def test_sequence_and_batch_come_from_the_estimators_hyperparameters(tmp_path, f
     assert report["batch_per_rank"] == 2 and report["batch_source"] == "hyperparameters.train_batch_size"
 
 
-def test_fit_proposes_layouts_that_fit_best_first(files, capsys):
+def test_fit_proposes_layouts_that_fit_fastest_per_sample_first(files, capsys):
+    """A model that fits one device with room to spare: plain data parallelism comes first (a pipeline idles in its
+    bubble and a tensor-parallel group spends two ranks on one replica), each layout with its step-time terms."""
     smp, model = files
     argv = ["explain", smp, "--model", model, "--world-size", "2", "--batch-size", "4", "--seq-len", "64"]
     assert main([*argv, "--fit", "3GiB", "--format", "json"]) == 0
     found = json.loads(capsys.readouterr().out)
     assert found["fitting"] and found["layouts_tried"] >= len(found["fitting"])
     assert all(item["peak"] <= found["usable_bytes"] for item in found["fitting"])
-    sent = [item["bytes_per_rank"] for item in found["fitting"] if not item["activation_checkpointing"]]
-    assert sent == sorted(sent)
-    assert any(item["smp_parameters"].get("sharded_data_parallel_degree") == 2 for item in found["fitting"])
+    per_sample = [item["step_time"]["seconds_per_sample"] for item in found["fitting"]]
+    assert per_sample == sorted(per_sample)
+    best = found["fitting"][0]
+    assert (best["smp_parameters"]["pipeline_parallel_degree"], best["smp_parameters"]["tensor_parallel_degree"],
+            best["activation_checkpointing"]) == (1, 1, False)
+    assert best["step_time"]["samples_per_step"] == 2 * 4
+    piped = [i for i in found["fitting"] if i["smp_parameters"]["pipeline_parallel_degree"] == 2]
+    assert all(i["step_time"]["terms"]["pipeline bubble"] > 0 for i in piped)
     # ZeRO-1's 5e8-element bucket (about 1.9 GiB in fp32) does not fit a 1.5 GiB device: only DDP layouts remain
     assert main([*argv, "--fit", "1.5GiB", "--format", "json"]) == 0
     small = json.loads(capsys.readouterr().out)

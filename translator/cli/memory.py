@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -97,7 +99,7 @@ def _load(model: str) -> Any:
             raise UsageError(f"--model {model}: {err}") from None
 
 
-def _estimate(source: Any, result: Any, batch: int, seq: int, ckpt: bool) -> Any:
+def _estimate(source: Any, result: Any, batch: int, seq: int, ckpt: bool, cache: dict[Any, Any] | None = None) -> Any:
     with _quiet_stdout():
         # torch and transformers load only with --memory / --fit (CLI start-up)
         from smp2ds.engine.memory import estimate_memory
@@ -105,7 +107,7 @@ def _estimate(source: Any, result: Any, batch: int, seq: int, ckpt: bool) -> Any
 
         try:
             return estimate_memory(source, step_shape(result, batch_per_rank=batch, seq_len=seq,
-                                                      activation_checkpointing=ckpt))
+                                                      activation_checkpointing=ckpt), cache=cache)
         except ValueError as err:
             raise UsageError(f"--memory: {err}") from None
 
@@ -202,11 +204,16 @@ class Candidate:
     peak: int
     bytes_per_rank: float
     activation_checkpointing: bool
+    step: dict[str, Any]
+    """``tools/step_time.py``'s estimate: seconds, terms, the deciding term."""
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
+
+FIT_SHOWN = 5
+"""``--fit`` traces layouts fastest first and stops at this many that fit."""
 
 _SEARCHED = ("pipeline_parallel_degree", "partitions", "tensor_parallel_degree", "microbatches", "active_microbatches",
              "shard_optimizer_state", "sharded_data_parallel_degree")
@@ -233,10 +240,14 @@ def _candidate_params(given: Mapping[str, Any], world: int, batch: int) -> Itera
 
 
 def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) -> dict[str, Any]:
-    """Layouts of this world size that fit ``--fit``'s device, best first."""
+    """Layouts of this world size that fit ``--fit``'s device, fastest per sample first (``tools/step_time.py``).
+
+    Fast at cluster scale: a layout whose model states alone (by formula, the model spread evenly) exceed the
+    device is dropped before any trace; layouts that differ only in how model states are sharded share one trace;
+    a deep model is traced on a few blocks and scaled (``smp2ds.engine.memory.block_scaling``); a layout the model
+    cannot take is skipped with its reason, once per pipeline x tensor-parallel degree."""
     # the traffic model and the planner serve --fit alone
     from smp2ds.translator.normalize import normalize  # as above
-    from smp2ds.translator.tools.estimate import estimate as traffic  # as above
 
     if not args.model:
         raise UsageError("--fit needs --model (a config.json, a model directory or module:function)")
@@ -246,37 +257,135 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
     batch, _ = _batch(result)
     world = int(result.topology["world_size"])
     # torch loads only with --memory / --fit (CLI start-up)
-    from smp2ds.engine.memory.estimate import usable_bytes  # as above
+    from smp2ds.engine.memory.estimate import tensor_parallel_refusal, usable_bytes  # as above
     from smp2ds.translator.planner import plan  # as above
 
     usable = usable_bytes(size)
     n_params = source.parameter_count()  # the traffic model's scale: the whole model
-    fitting: list[Candidate] = []
     skipped: list[dict[str, Any]] = []
-    tried = 0
-    for params in _candidate_params(dict(config.given), world, batch):
+    cut: dict[int, str | None] = {}
+    queue: list[tuple[float, int, Candidate, Any]] = []
+    pruned = 0
+    for index, params in enumerate(_candidate_params(dict(config.given), world, batch)):
+        tp = int(params["tensor_parallel_degree"])
+        if tp not in cut:
+            with _quiet_stdout():
+                cut[tp] = tensor_parallel_refusal(source, tp, bool(params.get("prescaled_batch", False)))
+        if cut[tp] is not None:
+            skipped.append({"smp_parameters": params, "reason": cut[tp]})
+            continue
+        try:
+            candidate_plan = plan(normalize(params, layout), layout)
+            floor = _model_state_floor(candidate_plan, n_params, batch, seq)
+        except (UsageError, ValueError, RuntimeError) as exc:
+            skipped.append({"smp_parameters": params, "reason": str(exc).splitlines()[0]})
+            continue
+        if floor > usable:
+            pruned += 1
+            continue
         for ckpt in (False, True):
-            try:
-                candidate_plan = plan(normalize(params, layout), layout)
-                estimate = _estimate(source, candidate_plan, batch, seq, ckpt)
-            except (UsageError, ValueError, RuntimeError) as exc:
-                # a layout this model cannot take (the engine's SMPUnsupportedError is a RuntimeError: a
-                # tensor-parallel degree its heads do not divide, ...): skipped, and named in the report
-                skipped.append({"smp_parameters": params, "reason": str(exc).splitlines()[0]})
-                break
-            tried += 1
-            if estimate.peak <= usable:
-                scheme = traffic(candidate_plan, max(n_params, 1))
-                sent = float(scheme["schemes"][scheme["selected"]]["bytes_per_rank"])
-                sent += _tensor_parallel_bytes(source.hf_config or {}, candidate_plan, batch, seq)
-                fitting.append(Candidate(params=params, peak=estimate.peak, bytes_per_rank=sent,
-                                         activation_checkpointing=ckpt))
-                break  # without checkpointing it fits: checkpointing only costs recomputation
-    fitting.sort(key=lambda c: (c.activation_checkpointing, c.bytes_per_rank, c.peak))
+            timed = _candidate(source, candidate_plan, params, 0, ckpt, n_params, batch, seq)
+            queue.append((timed.step["seconds_per_sample"], 2 * index + ckpt, timed, candidate_plan))
+    queue.sort(key=lambda item: item[:2])
+    cache: dict[Any, Any] = {}
+    refused: dict[tuple[int, int], str] = {}
+    fitting: list[Candidate] = []
+    settled: set[str] = set()  # layouts already traced to fit, or refused
+    tried = 0
+    for _, _, timed, candidate_plan in queue:
+        if len(fitting) == FIT_SHOWN:
+            break
+        name = json.dumps(timed.params, sort_keys=True)
+        degrees = (int(timed.params["pipeline_parallel_degree"]), int(timed.params["tensor_parallel_degree"]))
+        if name in settled:
+            continue
+        if degrees in refused:
+            settled.add(name)
+            skipped.append({"smp_parameters": timed.params, "reason": refused[degrees]})
+            continue
+        try:
+            estimate = _estimate(source, candidate_plan, batch, seq, timed.activation_checkpointing, cache)
+        except (UsageError, ValueError, RuntimeError) as exc:
+            # a layout this model cannot take (the engine's SMPUnsupportedError is a RuntimeError: a
+            # tensor-parallel degree its heads do not divide, ...): skipped, and named in the report
+            reason = str(exc).splitlines()[0]
+            if isinstance(exc, RuntimeError):
+                refused[degrees] = reason
+            settled.add(name)
+            skipped.append({"smp_parameters": timed.params, "reason": reason})
+            continue
+        tried += 1
+        if estimate.peak <= usable:
+            # without checkpointing it is faster and comes first; with it, only when that did not fit
+            settled.add(name)
+            fitting.append(dataclasses.replace(timed, peak=estimate.peak))
+    from smp2ds.translator.tools.step_time import REFERENCE_DEVICE  # as above
+
     return {"device": label, "usable_bytes": usable, "world_size": world, "batch_per_rank": batch, "seq_len": seq,
-            "layouts_tried": tried, "skipped": skipped,
+            "layouts_tried": tried, "layouts_over_by_model_states": pruned, "candidates": len(queue) // 2,
+            "skipped": skipped, "step_time_device": REFERENCE_DEVICE.label,
             "fitting": [{"smp_parameters": c.params, "peak": c.peak, "bytes_per_rank": c.bytes_per_rank,
-                         "activation_checkpointing": c.activation_checkpointing} for c in fitting]}
+                         "activation_checkpointing": c.activation_checkpointing, "step_time": c.step}
+                        for c in fitting]}
+
+
+def _model_state_floor(candidate_plan: Any, n_params: int, batch: int, seq: int) -> float:
+    """The least model-state bytes any rank of the layout holds (the parameters spread evenly over the model's
+    tensor-parallel and pipeline ranks; ``smp2ds.translator.model_state_bytes``); ValueError for a layout the
+    estimate does not cover."""
+    # torch loads only with --memory / --fit (CLI start-up)
+    import torch
+
+    from smp2ds.engine.memory.layout import step_shape  # as above
+    from smp2ds.translator.model_state_bytes import model_state_bytes_per_parameter
+
+    shape = step_shape(candidate_plan, batch_per_rank=batch, seq_len=seq, activation_checkpointing=False)
+    width = 4 if shape.dtype == torch.float32 else 2
+    per_rank = n_params / (shape.tensor_parallel * shape.pipeline_stages)
+    return per_rank * model_state_bytes_per_parameter(width=width, zero_stage=shape.zero_stage,
+                                                      shard=shape.optimizer_shard)
+
+
+def _candidate(source: Any, candidate_plan: Any, params: dict[str, Any], peak: int, ckpt: bool, n_params: int,
+               batch: int, seq: int) -> Candidate:
+    """A fitting layout with what it sends and its step time."""
+    from smp2ds.translator.tools.estimate import estimate as traffic  # the traffic model serves --fit alone
+    from smp2ds.translator.tools.step_time import StepWork, pipeline_send_bytes, step_time  # as above
+
+    scheme = traffic(candidate_plan, max(n_params, 1))
+    chosen = scheme["schemes"][scheme["selected"]]
+    model_config = source.hf_config or {}
+    tp_bytes = _tensor_parallel_bytes(model_config, candidate_plan, batch, seq)
+    topo = candidate_plan.topology
+    pp, tp = int(topo["pipeline_parallel_degree"]), int(topo["tensor_parallel_degree"])
+    half = any(candidate_plan.deepspeed.get(k, {}).get("enabled") for k in ("fp16", "bf16"))
+    hidden = _config_int(model_config, ("hidden_size", "n_embd", "d_model"))
+    sends = pipeline_send_bytes(stages=pp, batch_per_rank=batch, seq_len=seq, hidden=hidden or 0,
+                                bytes_per_element=2 if half else 4)
+    cross = float(chosen["cross_node_bytes_per_rank"])
+    steps = {True: 0, False: 0}  # ring steps across nodes / inside one (an all-reduce is two rings)
+    for hop in chosen["hops"]:
+        steps[bool(hop["spans_nodes"])] += int(hop["ring_steps"]) * (2 if hop["collective"] == "all_reduce" else 1)
+    layers = _config_int(model_config, ("num_hidden_layers", "n_layer", "num_layers")) or 0
+    micro = int(candidate_plan.engine_settings.microbatches)
+    prescaled = bool(candidate_plan.engine_settings.tensor_parallel.prescaled_batch)
+    readers = int(topo["world_size"]) // (pp * (tp if prescaled else 1))  # ranks that read their own rows
+    work = StepWork(parameters=float(n_params), tokens_per_rank=batch * seq, tensor_parallel=tp, pipeline_stages=pp,
+                    microbatches=micro,
+                    prescaled_batch=prescaled, samples_per_step=readers * batch,
+                    activation_checkpointing=ckpt, data_parallel_in_node_bytes=float(chosen["bytes_per_rank"]) - cross,
+                    data_parallel_cross_node_bytes=cross, tensor_parallel_bytes=tp_bytes,
+                    pipeline_send_bytes=sends, pipeline_crosses_nodes=tp * pp > int(topo["ranks_per_node"]),
+                    data_parallel_in_node_messages=steps[False], data_parallel_cross_node_messages=steps[True],
+                    tensor_parallel_messages=4 * layers * micro * 2 * (tp - 1) if tp > 1 else 0,
+                    pipeline_messages=2 * micro if pp > 1 else 0)
+    return Candidate(params=params, peak=peak, bytes_per_rank=float(chosen["bytes_per_rank"]) + tp_bytes + sends,
+                     activation_checkpointing=ckpt, step=step_time(work))
+
+
+def _config_int(model_config: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
+    value = next((model_config[k] for k in keys if k in model_config), None)
+    return value if isinstance(value, int) else None
 
 
 def _tensor_parallel_bytes(model_config: Mapping[str, Any], plan: Any, batch: int, seq: int) -> float:
@@ -298,26 +407,38 @@ def _tensor_parallel_bytes(model_config: Mapping[str, Any], plan: Any, batch: in
     return float(found["ring_bytes_per_rank_per_step"])
 
 
-def render_fit_text(report: Mapping[str, Any], limit: int = 5) -> str:
-    """The best layouts, with the SMP parameters to paste."""
-    import json
-
+def render_fit_text(report: Mapping[str, Any], limit: int = FIT_SHOWN) -> str:
+    """The best layouts, fastest first, with the SMP parameters to paste."""
     from .report import human_bytes
 
     shown = min(limit, len(report["fitting"]))
     head = (f"layouts of {report['world_size']} ranks that fit {report['device']} (usable "
             f"{human_bytes(report['usable_bytes'])}), batch per rank {report['batch_per_rank']} x "
-            f"{report['seq_len']} tokens: {len(report['fitting'])} of {report['layouts_tried']} tried fit"
+            f"{report['seq_len']} tokens: {len(report['fitting'])} of {report['layouts_tried']} traced fit"
             + (f", the best {shown} shown" if shown < len(report["fitting"]) else "") + "\n")
+    over = report.get("layouts_over_by_model_states") or 0
+    if over:
+        head += f"{over} layout(s) left out untraced: their model states alone exceed the device\n"
     skipped = report.get("skipped") or []
     if skipped:
         head += f"skipped {len(skipped)} layout(s) this model cannot take, e.g. {skipped[0]['reason']}\n"
     if not report["fitting"]:
         return head + "none fits: more ranks, a shorter sequence or a smaller per-rank batch\n"
-    lines = [head]
+    lines = [head, f"ranked by estimated time per sample on a reference device ({report['step_time_device']}); "
+                   "compute and communication not overlapped\n"]
     for i, item in enumerate(report["fitting"][:limit], 1):
-        lines.append(f"\n{i}. peak {human_bytes(item['peak'])}, sends {human_bytes(item['bytes_per_rank'])} per rank "
-                     f"and step" + (", with activation checkpointing on every block" if
-                                    item["activation_checkpointing"] else "") + "\n")
+        step = item["step_time"]
+        lines.append(f"\n{i}. {_seconds(step['seconds_per_sample'])} per sample (a step of "
+                     f"{_seconds(step['seconds'])} for {step['samples_per_step']} samples, decided by "
+                     f"{step['decided_by']}), peak "
+                     f"{human_bytes(item['peak'])}, sends {human_bytes(item['bytes_per_rank'])} per rank and step"
+                     + (", with activation checkpointing on every block" if item["activation_checkpointing"] else "")
+                     + "\n")
         lines.append("   " + json.dumps(item["smp_parameters"], sort_keys=True) + "\n")
     return "".join(lines)
+
+
+def _seconds(value: float) -> str:
+    if value < 1e-3:
+        return f"{value * 1e6:.1f} us"
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
