@@ -2,10 +2,13 @@
 
 The project's example script (``examples/train_smp_mlp.py``: smp.init, DistributedModel, DistributedOptimizer,
 @smp.step with micro-batches, reduce_mean, allgather, save_checkpoint, barrier) is ported for data parallelism with
-2 micro-batches and for ZeRO-1, run by the ``deepspeed`` launcher on 2 CPU ranks with smdistributed and smp2ds made
-unimportable, and prints the losses and final-weights digest the unported script prints under smp2ds (torchrun,
-same SMP parameters). The rules, the markers, the report, formatting and the exit codes are checked on small
-scripts.
+2 micro-batches, for ZeRO-1 and for sharded data parallelism (ZeRO-3), run by the ``deepspeed`` launcher on 2 CPU
+ranks with smdistributed and smp2ds made unimportable, and prints the losses and final-weights digest the unported
+script prints under smp2ds (torchrun, same SMP parameters). The tensor-parallel example
+(``examples/train_smp_llama_tp.py``: a tiny LLaMA built in ``smp.model_creation(tensor_parallelism=True)``) is
+ported for DeepSpeed's AutoTP and trains as the unported script does under smp2ds at tensor_parallel_degree 2, to a
+stated tolerance. The rules, the markers, the report, formatting and the exit codes are checked on small scripts
+(golden texts for the tensor-parallel and model_creation rules).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from smp2ds.translator.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_smp_mlp.py"
+LLAMA_TP = ROOT / "examples" / "train_smp_llama_tp.py"
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 BLOCKED = """import runpy, sys
 sys.modules["smdistributed"] = None  # the ported script must not need SMP's package nor smp2ds
@@ -49,6 +54,34 @@ def _lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith(("step ", "final weights"))]
 
 
+def _run_ported(tmp_path: Path, out: Path, *args: str, launcher: str = "deepspeed") -> str:
+    """The ported script's standard output, run on 2 CPU ranks with smdistributed and smp2ds unimportable, by the
+    ``deepspeed`` launcher or by ``torchrun`` (the same environment for ``deepspeed.init_distributed``; about 10 s
+    less on 2 cores: the deepspeed launcher imports DeepSpeed twice and polls its ranks each second)."""
+    wrapper = tmp_path / "blocked.py"
+    wrapper.write_text(BLOCKED, encoding="utf-8")
+    command = (["deepspeed", "--num_gpus", "2"] if launcher == "deepspeed"
+               else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"])
+    ported = subprocess.run([*command, str(wrapper), str(out), *args], cwd=tmp_path, env=ENV, capture_output=True,
+                            text=True, timeout=300)
+    assert ported.returncode == 0, ported.stdout[-3000:] + ported.stderr[-3000:]
+    return ported.stdout
+
+
+def _run_smp(tmp_path: Path, script: Path, params: dict, *args: str) -> str:
+    """The unported script's standard output under smp2ds (torchrun, 2 CPU ranks, ``params`` as SageMaker passes
+    them)."""
+    smp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), *args],
+                         cwd=tmp_path, env={**ENV, "SM_HP_MP_PARAMETERS": json.dumps(params)}, capture_output=True,
+                         text=True, timeout=300)
+    assert smp.returncode == 0, smp.stdout[-3000:] + smp.stderr[-3000:]
+    return smp.stdout
+
+
+def _config(out: Path) -> dict:
+    return json.loads(out.with_suffix(".deepspeed.json").read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("params", [{"ddp": True, "microbatches": 2},
                                     {"ddp": True, "microbatches": 2, "shard_optimizer_state": True}],
@@ -56,21 +89,76 @@ def _lines(output: str) -> list[str]:
 def test_the_ported_example_trains_like_the_smp_script_under_smp2ds(tmp_path, params):
     code, out = _port(tmp_path, EXAMPLE.read_text(), params)
     assert code == 1  # smp.state (smp2ds's plan print) is left for a person, marked
-    config = json.loads(out.with_suffix(".deepspeed.json").read_text())
+    config = _config(out)
     assert config["gradient_accumulation_steps"] == 2
     assert config["zero_optimization"]["stage"] == (1 if params.get("shard_optimizer_state") else 0)
     text = out.read_text()
     assert "smdistributed" not in text.split("def main")[1] and "import smdistributed" not in text
-    wrapper = tmp_path / "blocked.py"
-    wrapper.write_text(BLOCKED, encoding="utf-8")
-    ported = subprocess.run(["deepspeed", "--num_gpus", "2", str(wrapper), str(out), "--steps", "4"], cwd=tmp_path,
-                            env=ENV, capture_output=True, text=True, timeout=300)
-    assert ported.returncode == 0, ported.stdout[-3000:] + ported.stderr[-3000:]
-    smp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(EXAMPLE),
-                          "--steps", "4"], cwd=tmp_path, env={**ENV, "SM_HP_MP_PARAMETERS": json.dumps(params)},
-                         capture_output=True, text=True, timeout=300)
-    assert smp.returncode == 0, smp.stdout[-3000:] + smp.stderr[-3000:]
-    assert len(_lines(smp.stdout)) == 5 and _lines(ported.stdout) == _lines(smp.stdout)
+    ported = _run_ported(tmp_path, out, "--steps", "4")
+    smp = _run_smp(tmp_path, EXAMPLE, params, "--steps", "4")
+    assert len(_lines(smp)) == 5 and _lines(ported) == _lines(smp)
+
+
+@pytest.mark.slow
+def test_the_ported_example_trains_like_the_smp_script_under_sharded_data_parallelism(tmp_path):
+    """sdp 2 over 2 ranks: the native config is plain ZeRO-3 (fp32, SMP's sdp gradient clipping 1.0) and the ported
+    script prints the unported one's losses and the same weights digest, bit for bit: ``model.state_dict()`` became
+    ``_smp_state_dict(model)``, which gathers ZeRO-3's partitions on every rank. The example's parameters (at most
+    1,024 elements each) are below ZeRO-3's persistence threshold (100,000 by default: such parameters stay whole
+    on every rank after the first forward, and the engine's module.state_dict() would be whole by accident), so the
+    test sets stage3_param_persistence_threshold 0: every parameter is partitioned between steps as a large
+    model's would be (checked by hand: the former ``model.module.state_dict()`` then prints the digest of no
+    weights). The example's other calls (deepspeed.initialize over model.parameters() of the unwrapped model, the
+    per-micro-batch engine steps, allgather) need no gather."""
+    params = {"ddp": True, "sharded_data_parallel_degree": 2}
+    code, out = _port(tmp_path, EXAMPLE.read_text(), params)
+    assert code == 1  # smp.state, as above
+    config = _config(out)
+    assert config["zero_optimization"] == {"stage": 3} and config["gradient_clipping"] == 1.0
+    assert not config["fp16"]["enabled"] and not config["bf16"]["enabled"]  # fp32: the gathered values are fp32
+    assert "state = _smp_state_dict(model)" in out.read_text()
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    out.with_suffix(".deepspeed.json").write_text(json.dumps(config), encoding="utf-8")
+    ported = _run_ported(tmp_path, out, "--steps", "4")
+    smp = _run_smp(tmp_path, EXAMPLE, params, "--steps", "4")
+    assert len(_lines(smp)) == 5 and _lines(ported) == _lines(smp)
+
+
+def _losses(output: str) -> list[float]:
+    return [float(line.split()[-1]) for line in _lines(output) if line.startswith("step ")]
+
+
+@pytest.mark.slow
+def test_the_ported_llama_example_trains_like_the_smp_script_under_autotp(tmp_path):
+    """tp 2 at world 2 (``{"ddp": true, "tensor_parallel_degree": 2}``, no prescaled_batch): the tiny LLaMA example
+    ported for DeepSpeed's AutoTP (tensor_parallel.autotp_size 2, gloo on CPU ranks; run by torchrun to stay near
+    a minute on 2 cores) trains as the unported script does under smp2ds.
+
+    Data: the example picks its rows by rdp_rank, so both tensor-parallel ranks read the same rows in both runs
+    (AutoTP asks for that; smp2ds, without prescaled_batch, joins the two identical batches, whose mean loss and
+    gradients are those of one batch). Weights: both runs dump ``model.state_dict()`` on rank 0, the full model
+    under Hugging Face's names (the port's ``_smp_state_dict`` gathers AutoTP's shards), so the keys and full
+    shapes must be equal. Tolerances: tensor parallelism changes the order of floating-point reductions (smp2ds
+    and AutoTP split and sum differently), so the runs are not bit-equal: the losses (about 4.8) must agree to
+    rtol 1e-5 / atol 1e-6 (measured: 1e-6, the printed precision); AdamW moves a weight by at most about lr = 1e-3
+    per step whatever its gradient's size, and normalises tiny gradients, so rounding differences show in the
+    weights: they must agree to atol 1e-4, 2.5% of the 4e-3 that 4 steps can move a weight (measured: 8e-6), far
+    below the weights' own scale (init std 0.02) that a wrong gather or a shard out of place would show."""
+    params = {"ddp": True, "tensor_parallel_degree": 2}
+    code, out = _port(tmp_path, LLAMA_TP.read_text(), params)
+    assert code == 0  # nothing left for a person
+    assert _config(out)["tensor_parallel"] == {"autotp_size": 2}
+    text = out.read_text()
+    assert "with smp.model_creation" not in text and "    model = LlamaForCausalLM(llama_config())\n" in text
+    ported = _run_ported(tmp_path, out, "--steps", "4", "--dump-weights", str(tmp_path / "ported.pt"),
+                         launcher="torchrun")  # the deepspeed launcher: the tests above
+    smp = _run_smp(tmp_path, LLAMA_TP, params, "--steps", "4", "--dump-weights", str(tmp_path / "smp.pt"))
+    assert len(_losses(smp)) == 4
+    assert _losses(ported) == pytest.approx(_losses(smp), rel=1e-5, abs=1e-6)
+    theirs, ours = torch.load(tmp_path / "smp.pt"), torch.load(tmp_path / "ported.pt")
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+    assert ours["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)  # whole, not AutoTP's (32, 64) shard
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-4
 
 
 SCRIPT = '''"""An SMP script with comments and an unusual layout."""
@@ -153,3 +241,161 @@ def test_exit_codes_nothing_to_port_a_parse_error_and_an_existing_output(tmp_pat
     assert main(["port", str(tmp_path / "bad.py"), "-o", str(tmp_path / "bad_out.py")]) == 2
     assert re.search(r"bad\.py:\d+:\d+: does not parse", capsys.readouterr().err)
     assert not (tmp_path / "bad_out.py").exists()
+
+
+TP_SCRIPT = '''import torch
+import smdistributed.modelparallel.torch as smp
+from transformers import LlamaForCausalLM
+
+
+def main(config):
+    smp.init()
+    # built whole: AutoTP shards it
+    with smp.model_creation(tensor_parallelism=True):  # SMP's tensor parallelism
+        model = LlamaForCausalLM(config)
+    model = smp.DistributedModel(model)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    first = 4 * smp.rdp_rank()
+    print(smp.rdp_size(), smp.tp_rank(), smp.tp_size(), smp.dp_rank())
+    every = smp.allgather(first, smp.RDP_GROUP)
+    group = smp.allgather(first, smp.CommGroup.TP_GROUP)
+    world = smp.allgather(first, smp.DP_GROUP)
+    state = model.state_dict()
+'''
+
+TP_PORTED = '''def main(config):
+    deepspeed.init_distributed()
+    # built whole: AutoTP shards it
+    # SMP's tensor parallelism
+    model = LlamaForCausalLM(config)
+    model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), \
+lr=1e-3), config=_DS_CONFIG)
+    first = 4 * (dist.get_rank() // _TENSOR_PARALLEL)
+    print((dist.get_world_size() // _TENSOR_PARALLEL), (dist.get_rank() % _TENSOR_PARALLEL), _TENSOR_PARALLEL, \
+smp.dp_rank())  # smp2ds port: with tensor parallelism SMP's dp_rank counts the tensor-parallel ranks, which read \
+their own rows; AutoTP needs the same rows on a tensor-parallel group: index the data by rdp_rank
+    every = _smp_allgather(first, "rdp")
+    group = _smp_allgather(first, "tp")
+    world = _smp_allgather(first)
+    state = _smp_state_dict(model)
+'''
+
+
+def test_tensor_parallel_rules_golden(tmp_path, capsys):
+    """At tp 2 (golden text): ``with smp.model_creation(tensor_parallelism=True)`` around a LLaMA becomes its body
+    (the with line's comment kept above it), ``M = smp.DistributedModel(M)`` goes, rdp/tp ranks and sizes follow
+    AutoTP's mesh (parenthesised where they stood inside an expression), allgather keeps SMP's group, state_dict
+    gathers, and dp_rank (SMP's tensor-parallel ranks read their own rows) is marked and reported."""
+    code, out = _port(tmp_path, TP_SCRIPT, {"ddp": True, "tensor_parallel_degree": 2})
+    assert code == 1
+    text = out.read_text()
+    assert text.split("\n\n\n")[-1] == TP_PORTED
+    assert "_TENSOR_PARALLEL = 2  # AutoTP's degree" in text and "import contextlib\n" in text
+    report = (tmp_path / "report.txt").read_text()
+    assert "| 9 | `smp.model_creation(tensor_parallelism=True)` | `(removed: the model is built as it is; AutoTP " \
+           "shards the llama model in deepspeed.initialize)` |" in report
+    assert "| 11 | `model = smp.DistributedModel(model)` | `(removed: the model is used as it is)` |" in report
+    assert "## Left for a person (1)" in report and "line 14: `smp.dp_rank()`" in report
+    assert "give --model to check" not in report  # the family was told by the class: llama, which AutoTP shards
+
+
+CREATION_SCRIPT = '''import torch
+import smdistributed.modelparallel.torch as smp
+from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+
+
+def main(config):
+    smp.init()
+    with smp.model_creation(tensor_parallelism=True):
+        gpt2 = GPT2LMHeadModel(config)
+    with smp.model_creation(tensor_parallelism=True):
+        auto = AutoModelForCausalLM.from_config(config)
+    with smp.model_creation(tensor_parallelism=False):
+        whole = GPT2LMHeadModel(config)
+    with smp.model_creation(tensor_parallelism=True, dtype=torch.bfloat16, fused_softmax=True):
+        replaced = GPT2LMHeadModel(config)
+    with smp.model_creation(): plain = torch.nn.Linear(4, 4)
+'''
+
+GPT2_MARK = ("    with smp.model_creation(tensor_parallelism=True):  # smp2ds port: tensor parallelism: DeepSpeed's "
+             "AutoTP refuses the gpt2 family: export the weights (`smp2ds checkpoint export CHECKPOINT --to hf DIR`) "
+             "and train that model with data or sharded data parallelism (tensor_parallel_degree 1: drop "
+             "tensor_parallel from the DeepSpeed config), or under accelerate (`smp2ds convert --to accelerate`) "
+             "if it has a tp_plan\n        gpt2 = GPT2LMHeadModel(config)\n")
+SETTINGS_MARK = ("    with smp.model_creation(tensor_parallelism=True, dtype=torch.bfloat16, fused_softmax=True):  "
+                 "# smp2ds port: model_creation dtype: torch.set_default_dtype around the construction (the old one "
+                 "restored after); model_creation fused_softmax: SMP's distributed transformer settings have no "
+                 "DeepSpeed equivalent\n")
+
+
+def test_model_creation_at_tensor_parallelism_marks_what_autotp_cannot_run(tmp_path, capsys):
+    """At tp 2: GPT-2, which DeepSpeed 0.19's AutoTP refuses by name ('AutoTP not supported for model', checked by
+    hand on 2 CPU ranks), keeps its with line, marked with the route that works (export, train without tensor
+    parallelism or under accelerate); an Auto class does not tell the family (marked); tensor_parallelism=False
+    or absent (AutoTP would shard it all the same), dtype and
+    the distributed transformer's settings are marked (a one-line with on its line); the DeepSpeed config is still the layout's (autotp_size 2)."""
+    code, out = _port(tmp_path, CREATION_SCRIPT, {"ddp": True, "tensor_parallel_degree": 2})
+    assert code == 1
+    text = out.read_text()
+    assert GPT2_MARK in text and SETTINGS_MARK in text
+    assert ("    with smp.model_creation(tensor_parallelism=True):  # smp2ds port: tensor parallelism: the class "
+            "built here does not tell the model family: drop this with if DeepSpeed's AutoTP shards it") in text
+    unmarked = ("# smp2ds port: at tensor_parallel_degree 2 SMP keeps what is built without tensor_parallelism=True "
+                "whole, while AutoTP shards the model deepspeed.initialize gets")
+    assert f"    with smp.model_creation(tensor_parallelism=False):  {unmarked}" in text
+    assert f"    with smp.model_creation(): plain = torch.nn.Linear(4, 4)  {unmarked}" in text  # a one-line with
+    report = (tmp_path / "report.txt").read_text()
+    assert "## Left for a person (5)" in report and "line 8: `smp.model_creation(tensor_parallelism=True)`: " \
+           "tensor parallelism: DeepSpeed's AutoTP refuses the gpt2 family: export the weights" in report
+    assert _config(out)["tensor_parallel"] == {"autotp_size": 2}
+
+
+def test_model_creation_without_tensor_parallelism_becomes_its_body(tmp_path, capsys):
+    """At tp 1 (sharded data parallelism here) SMP shards nothing: every model_creation without SMP's other
+    arguments becomes its body, whatever the family; dtype and distributed-transformer settings stay marked (SMP
+    replaced GPT-2 by its distributed transformer at tp 1 as well)."""
+    code, out = _port(tmp_path, CREATION_SCRIPT, {"ddp": True, "sharded_data_parallel_degree": 2})
+    assert code == 1
+    main_text = out.read_text().split("def main(config):\n")[1]
+    assert main_text == ("    deepspeed.init_distributed()\n    gpt2 = GPT2LMHeadModel(config)\n"
+                         "    auto = AutoModelForCausalLM.from_config(config)\n    whole = GPT2LMHeadModel(config)\n"
+                         + SETTINGS_MARK + "        replaced = GPT2LMHeadModel(config)\n"
+                         "    plain = torch.nn.Linear(4, 4)\n")
+    assert "## Left for a person (1)" in (tmp_path / "report.txt").read_text()
+    assert _config(out)["zero_optimization"] == {"stage": 3} and "tensor_parallel" not in _config(out)
+
+
+def test_state_dict_with_smp_arguments_is_marked(tmp_path, capsys):
+    source = SCRIPT.replace("    sm.barrier()", "    full = net.state_dict(gather_to_rank0=True)\n    sm.barrier()")
+    code, out = _port(tmp_path, source, {"ddp": True})
+    assert code == 1
+    assert ("full = net.state_dict(gather_to_rank0=True)  # smp2ds port: SMP's state_dict arguments have no "
+            "DeepSpeed equivalent") in out.read_text()
+
+
+class _FakeWorld:
+    """torch.distributed for the port's helpers: rank ``me`` of ``size``, all_gather_object filling in each rank's
+    own number."""
+
+    def __init__(self, me: int, size: int) -> None:
+        self.me, self.size = me, size
+
+    def get_rank(self) -> int:
+        return self.me
+
+    def get_world_size(self) -> int:
+        return self.size
+
+    def all_gather_object(self, gathered: list, obj: object) -> None:
+        gathered[:] = list(range(self.size))
+
+
+def test_allgather_keeps_smp_groups_on_autotp_mesh(tmp_path, capsys):
+    """``_smp_allgather`` at world 4, tp 2 (DeepSpeed's mesh: tensor-parallel groups {0, 1} and {2, 3}): rank 1's
+    RDP_GROUP is ranks 1 and 3, its TP_GROUP ranks 0 and 1, the world all four."""
+    _, out = _port(tmp_path, TP_SCRIPT, {"ddp": True, "tensor_parallel_degree": 2})
+    helpers = out.read_text().split("from transformers import LlamaForCausalLM\n")[1].split("\ndef main")[0]
+    namespace: dict = {"os": os, "torch": torch, "__file__": str(out), "dist": _FakeWorld(1, 4)}
+    exec(compile(helpers, str(out), "exec"), namespace)  # the helper block the port wrote, as it wrote it
+    gather = namespace["_smp_allgather"]
+    assert gather("x", "rdp") == [1, 3] and gather("x", "tp") == [0, 1] and gather("x") == [0, 1, 2, 3]

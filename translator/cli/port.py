@@ -19,7 +19,7 @@ from smp2ds.translator.load import load_document
 from smp2ds.translator.normalize import normalize
 from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.planner import plan as make_plan
-from smp2ds.translator.tools.native_deepspeed import native_config
+from smp2ds.translator.tools.native_deepspeed import AUTOTP_REFUSED, native_config
 
 from . import EXIT_OK, UsageError, command_parser, positive_int
 
@@ -68,7 +68,8 @@ def port_command(args: argparse.Namespace) -> int:
     try:
         result = port_source(source, config_name=os.path.basename(config_path),
                              microbatches=plan.engine_settings.batch.microbatches,
-                             model_parallel=topo.tensor_parallel_degree > 1 or topo.pipeline_parallel_degree > 1)
+                             tensor_parallel=topo.tensor_parallel_degree,
+                             pipeline_parallel=topo.pipeline_parallel_degree)
     except libcst.ParserSyntaxError as exc:
         sys.stderr.write(f"smp2ds port: {args.script}:{exc.editor_line}:{exc.editor_column}: does not parse: "
                          f"{exc.message}\n")
@@ -78,7 +79,7 @@ def port_command(args: argparse.Namespace) -> int:
         sys.stderr.write(f"smp2ds port: {args.script}: nothing to port (no {'smdistributed.modelparallel.torch'} "
                          f"import); wrote it unchanged to {out}\n")
         return EXIT_OK
-    ds_config, notes = _deepspeed_config(plan, args.batch_size is None)
+    ds_config, notes = _deepspeed_config(plan, args.batch_size is None, result.families)
     _write(config_path, json.dumps(ds_config, indent=2) + "\n")
     text = report(result, args.script, notes)
     if args.report:
@@ -101,9 +102,13 @@ def _plan(args: argparse.Namespace) -> Any:
     return make_plan(normalize(document, layout), layout)
 
 
-def _deepspeed_config(plan: Any, nominal: bool) -> tuple[dict[str, Any], list[str]]:
-    """The job's native DeepSpeed config without ``train_batch_size`` (DeepSpeed derives it at any world size)."""
-    config, notes = native_config(plan, pipelines_by_hand=True)
+def _deepspeed_config(plan: Any, nominal: bool, families: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The job's native DeepSpeed config without ``train_batch_size`` (DeepSpeed derives it at any world size).
+    ``families``: those the script builds for tensor parallelism; one AutoTP refuses is marked in the script (with
+    the route that works), so the config is still written for the layout asked."""
+    allowed = [f for f in families if f not in AUTOTP_REFUSED]
+    model_type = allowed[0] if len(allowed) == 1 and len(families) == 1 else None
+    config, notes = native_config(plan, model_type=model_type, pipelines_by_hand=True)
     config.pop("train_batch_size", None)
     if nominal:
         notes.append("train_micro_batch_size_per_gpu is nominal (no --batch-size): DeepSpeed uses it for its own data "

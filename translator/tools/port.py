@@ -10,18 +10,28 @@ Rewrites (``smp`` is whatever name the script imported ``smdistributed.modelpara
   the path of the DeepSpeed config written beside the ported script (the job's layout, ``convert --native``);
 * ``smp.init(...)`` -> ``deepspeed.init_distributed()``;
 * ``smp.rank() / size() / local_rank() / barrier()`` -> ``torch.distributed``'s; ``dp_rank / dp_size / rdp_rank /
-  rdp_size`` likewise when the layout has no tensor or pipeline parallelism (else marked);
-* ``M = smp.DistributedModel(X)`` -> ``M = X``; then ``O = smp.DistributedOptimizer(Y)`` ->
+  rdp_size`` likewise when the layout has no tensor or pipeline parallelism; with tensor parallelism (no pipeline)
+  ``rdp_rank / rdp_size / tp_rank / tp_size`` -> DeepSpeed's AutoTP layout (its (data, tensor) mesh: the
+  tensor-parallel groups are consecutive ranks) while ``dp_rank / dp_size`` are marked (SMP's tensor-parallel ranks
+  read their own rows, AutoTP's need the same rows); with a pipeline all of them are marked;
+* ``with smp.model_creation(...):`` -> its body, when nothing in it needs SMP: at tensor_parallel_degree 1, or with
+  ``tensor_parallelism=True`` for a Hugging Face family DeepSpeed's AutoTP shards (the config's
+  ``tensor_parallel.autotp_size`` does it in ``deepspeed.initialize``); a family AutoTP refuses (GPT-2, ...), a
+  family the class built there does not tell (``AutoModel...``), ``dtype``, ``zero_init`` or the distributed
+  transformer's settings are marked;
+* ``M = smp.DistributedModel(X)`` -> ``M = X`` (a line ``M = M`` goes); then ``O = smp.DistributedOptimizer(Y)`` ->
   ``M, O, _, _ = deepspeed.initialize(model=M, optimizer=Y, config=...)`` (``M`` is DeepSpeed's engine from
   there on: ``M(x)``, ``M.backward(loss)`` are its own);
 * ``@smp.step`` is removed and each call of the step function runs it once per micro-batch (SMP's ``microbatches``,
   the arguments split along their first dimension) with ``engine.step()`` after each, as DeepSpeed's gradient
   accumulation wants; the result keeps ``reduce_mean()``, ``concat()`` and ``outputs``;
 * ``O.step()`` and ``O.zero_grad(...)`` -> nothing (the engine stepped and zeroed at the accumulation boundary);
-* ``M.state_dict()`` -> ``M.module.state_dict()``; ``smp.save_checkpoint(path, tag=..., model=M, ...,
+* ``M.state_dict()`` -> ``_smp_state_dict(M)``: as SMP's, the whole model under its own names on every rank (ZeRO-3
+  partitions and AutoTP shards gathered first); ``smp.save_checkpoint(path, tag=..., model=M, ...,
   user_content=C)`` -> ``M.save_checkpoint(path, tag=..., client_state=C)``;
-* ``smp.allgather(obj, group)`` -> every rank's ``obj`` (``dist.all_gather_object`` over the world, the
-  data-parallel group when there is no model parallelism);
+* ``smp.allgather(obj, group)`` -> the ``obj`` of every rank of SMP's group (``dist.all_gather_object`` over the
+  world, kept to the group's ranks): ``WORLD`` / ``DP_GROUP`` / ``RDP_GROUP`` / ``TP_GROUP`` / ``MP_GROUP`` without
+  a pipeline;
 * ``smp.state`` -> ``None`` (SMP's and smp2ds's run state: DeepSpeed has none), marked.
 
 Everything else under ``smp.`` is marked for a person: pipelines (DeepSpeed's ``PipelineModule`` needs a layer
@@ -30,12 +40,15 @@ list), ``smp.nn`` modules, ``smp.resume_from_checkpoint`` (``engine.load_checkpo
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider
+
+from smp2ds.translator.tools.native_deepspeed import AUTOTP_REFUSED
 
 MARK = "# smp2ds port: "
 SMP_MODULE = "smdistributed.modelparallel.torch"
@@ -57,6 +70,9 @@ class PortResult:
     changes: list[Change] = field(default_factory=list)
     ported: bool = False
     """False when the script has no SMP import (nothing to port)."""
+    families: list[str] = field(default_factory=list)
+    """The model families built for tensor parallelism (``smp.model_creation(tensor_parallelism=True)``), as
+    DeepSpeed's AutoTP names them (lower case: ``llama``, ``gpt2``); empty when not told."""
 
     @property
     def manual(self) -> list[Change]:
@@ -67,6 +83,18 @@ _SIMPLE = {"init": "deepspeed.init_distributed()", "rank": "dist.get_rank()", "s
            "local_rank": 'int(os.environ.get("LOCAL_RANK", 0))', "barrier": "dist.barrier()"}
 _DATA_PARALLEL = {"dp_rank": "dist.get_rank()", "rdp_rank": "dist.get_rank()", "dp_size": "dist.get_world_size()",
                   "rdp_size": "dist.get_world_size()"}
+# DeepSpeed's AutoTP builds a (data, tensor) mesh: tensor-parallel groups of consecutive ranks (the parentheses keep
+# the expression whole wherever the call stood)
+_AUTOTP_MESH = {"rdp_rank": "(dist.get_rank() // _TENSOR_PARALLEL)",
+                "rdp_size": "(dist.get_world_size() // _TENSOR_PARALLEL)",
+                "tp_rank": "(dist.get_rank() % _TENSOR_PARALLEL)", "tp_size": "_TENSOR_PARALLEL"}
+_GROUPS = {"WORLD": None, "DP_GROUP": None, "RDP_GROUP": "rdp", "TP_GROUP": "tp", "MP_GROUP": "tp"}
+"""SMP's groups without a pipeline -> ``_smp_allgather``'s (None: the world)."""
+_HF_CLASS = re.compile(r"([A-Z][A-Za-z0-9]*?)(?:With[A-Z]|LMHead|DoubleHeads|For[A-Z]|Model$)")
+"""A Hugging Face model class and its family as AutoTP reads it (``GPT2LMHeadModel`` -> ``GPT2``)."""
+_ROUTE = ("export the weights (`smp2ds checkpoint export CHECKPOINT --to hf DIR`) and train that model with data "
+          "or sharded data parallelism (tensor_parallel_degree 1: drop tensor_parallel from the DeepSpeed config), "
+          "or under accelerate (`smp2ds convert --to accelerate`) if it has a tp_plan")
 _WHY = {
     "resume_from_checkpoint": "resume with engine.load_checkpoint(path, tag) after deepspeed.initialize (it returns "
                               "(path, client_state)); SMP checkpoints: `smp2ds checkpoint export --to "
@@ -76,15 +104,29 @@ _WHY = {
     "nn": "smp.nn modules have no DeepSpeed equivalent: use the Hugging Face model (export its weights) or AutoTP",
     "model_creation": "tensor parallelism: DeepSpeed AutoTP (tensor_parallel.autotp_size in the config) on a "
                       "family it supports; the distributed transformer has none",
+    "state_dict": "SMP's state_dict arguments have no DeepSpeed equivalent: _smp_state_dict(engine) is the whole "
+                  "model on every rank",
     "state": "SMP's run state has no DeepSpeed equivalent (replaced by None)",
+}
+_CREATION_ARGUMENTS = {
+    "dtype": "model_creation dtype: torch.set_default_dtype around the construction (the old one restored after)",
+    "zero_init": "model_creation zero_init: deepspeed.zero.Init(config_dict_or_path=_DS_CONFIG) around the "
+                 "construction (ZeRO-3 builds the parameters partitioned)",
+}
+_WHY_TENSOR_PARALLEL = {
+    "dp_rank": "with tensor parallelism SMP's dp_rank counts the tensor-parallel ranks, which read their own rows; "
+               "AutoTP needs the same rows on a tensor-parallel group: index the data by rdp_rank",
+    "dp_size": "with tensor parallelism SMP's dp_size counts the tensor-parallel ranks, which read their own rows; "
+               "AutoTP needs the same rows on a tensor-parallel group: size the data by rdp_size",
 }
 
 
-def _helpers(config_name: str, microbatches: int) -> str:
+def _helpers(config_name: str, microbatches: int, tensor_parallel: int) -> str:
     return f'''
 # smp2ds port: what SMP did for this script, in plain PyTorch + DeepSpeed
 _DS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), {config_name!r})
 _MICROBATCHES = {microbatches}
+_TENSOR_PARALLEL = {tensor_parallel}  # AutoTP's degree: its tensor-parallel groups are consecutive ranks
 
 
 class _StepOutput(list):
@@ -115,20 +157,47 @@ def _smp_step(fn, engine, *args, **kwargs):
     return out
 
 
-def _smp_allgather(obj):
+def _smp_allgather(obj, group=None):
+    """SMP's allgather: the obj of every rank of SMP's group (None: the world; "rdp": the ranks holding this
+    rank's tensor-parallel shard; "tp": this rank's tensor-parallel group)."""
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
+    me = dist.get_rank()
+    if group == "rdp":
+        return [o for r, o in enumerate(gathered) if r % _TENSOR_PARALLEL == me % _TENSOR_PARALLEL]
+    if group == "tp":
+        return [o for r, o in enumerate(gathered) if r // _TENSOR_PARALLEL == me // _TENSOR_PARALLEL]
     return gathered
+
+
+def _smp_state_dict(engine):
+    """SMP's model.state_dict(): the whole model under its own names on every rank, copied to the CPU. ZeRO-3's
+    partitions and AutoTP's shards are gathered first (a collective: every rank calls it, as with SMP)."""
+    module = engine.module
+    with contextlib.ExitStack() as gathered:
+        if engine.zero_optimization_partition_weights():
+            gathered.enter_context(deepspeed.zero.GatheredParameters(list(module.parameters())))
+        if engine.autotp_size() > 1:
+            from deepspeed.module_inject.layers import GatherReplacedLayerParams  # AutoTP's own gather
+
+            for sub in module.modules():
+                gathered.enter_context(GatherReplacedLayerParams(list(sub.parameters(recurse=False)), sub))
+        return {{k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}}
 '''
 
 
 class _Porter(m.MatcherDecoratableTransformer):
     METADATA_DEPENDENCIES = (PositionProvider,)
 
-    def __init__(self, module: cst.Module, model_parallel: bool) -> None:
+    def __init__(self, module: cst.Module, tensor_parallel: int, pipeline_parallel: int) -> None:
         super().__init__()
         self.module = module
-        self.model_parallel = model_parallel
+        self.tensor_parallel = tensor_parallel
+        self.pipeline_parallel = pipeline_parallel
+        self.families: list[str] = []
+        # the call of each `with smp.model_creation(...):` -> (None: the with becomes its body, or why not; the
+        # family built in it)
+        self._creations: dict[cst.Call, tuple[str | None, str | None]] = {}
         self.alias: str | None = None
         self.changes: list[Change] = []
         self.step_functions: set[str] = set()
@@ -168,15 +237,21 @@ class _Porter(m.MatcherDecoratableTransformer):
             return self._marked(updated)
         stmt = updated.body[0]
         if isinstance(stmt, cst.Import) and any(self.module.code_for_node(a.name) == SMP_MODULE for a in stmt.names):
-            self._record(original, "import os; import deepspeed; import torch; import torch.distributed as dist")
+            self._record(original, "import contextlib; import os; import deepspeed; import torch; "
+                                   "import torch.distributed as dist")
             return cst.FlattenSentinel([cst.parse_statement(line) for line in (
-                "import os\n", "import deepspeed\n", "import torch\n", "import torch.distributed as dist\n")])
+                "import contextlib\n", "import os\n", "import deepspeed\n", "import torch\n",
+                "import torch.distributed as dist\n")])
         if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1 and isinstance(stmt.value, cst.Call):
             call, target = stmt.value, stmt.targets[0].target
             if self._is_smp(call.func, "DistributedModel") and isinstance(target, cst.Name) and call.args:
                 self.model_name = target.value
+                model = call.args[0].value
+                if isinstance(model, cst.Name) and model.value == target.value:  # M = smp.DistributedModel(M)
+                    self._record(original, "(removed: the model is used as it is)")
+                    return cst.RemoveFromParent()
                 self._record(original, f"{target.value} = <the model>")
-                return updated.with_changes(body=[stmt.with_changes(value=call.args[0].value)])
+                return updated.with_changes(body=[stmt.with_changes(value=model)])
             if self._is_smp(call.func, "DistributedOptimizer") and isinstance(target, cst.Name) and call.args:
                 if self.model_name is None:
                     return self._mark_line(original, updated, "DistributedOptimizer before DistributedModel: "
@@ -248,18 +323,25 @@ class _Porter(m.MatcherDecoratableTransformer):
             self._block_marks = header
         return updated
 
+    def visit_SimpleStatementSuite(self, node: cst.SimpleStatementSuite) -> None:
+        self._headers.append(self._pending_marks)  # as for an indented block: the header's marks
+        self._pending_marks = []
+
+    def leave_SimpleStatementSuite(self, original: cst.SimpleStatementSuite,
+                                   updated: cst.SimpleStatementSuite) -> Any:
+        """``with ...: statement`` on one line: the header's marks and the statement's share the line."""
+        marks, self._pending_marks = self._headers.pop() + self._pending_marks, []
+        if not marks:
+            return updated
+        why = "; ".join(dict.fromkeys(marks))
+        return updated.with_changes(trailing_whitespace=_marked(updated.trailing_whitespace, why))
+
     def _mark_header(self, updated: Any) -> Any:
         marks, self._block_marks = self._block_marks, []
         if not marks or not isinstance(updated.body, cst.IndentedBlock):
             return updated
         why = "; ".join(dict.fromkeys(marks))
-        own = updated.body.header.comment
-        text = f"{own.value}  {MARK}{why}" if own is not None else MARK + why
-        header = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(text))
-        return updated.with_changes(body=updated.body.with_changes(header=header))
-
-    def leave_With(self, original: cst.With, updated: cst.With) -> Any:
-        return self._mark_header(updated)
+        return updated.with_changes(body=updated.body.with_changes(header=_marked(updated.body.header, why)))
 
     def leave_If(self, original: cst.If, updated: cst.If) -> Any:
         return self._mark_header(updated)
@@ -269,6 +351,65 @@ class _Porter(m.MatcherDecoratableTransformer):
 
     def leave_While(self, original: cst.While, updated: cst.While) -> Any:
         return self._mark_header(updated)
+
+    # ---- smp.model_creation ---------------------------------------------------------------------------
+    def visit_With(self, node: cst.With) -> None:
+        call = _creation_call(node, self.alias)
+        if call is not None:
+            family = _family(node.body) if self.tensor_parallel > 1 else None
+            self._creations[call] = (self._creation_verdict(call, family), family)
+
+    def leave_With(self, original: cst.With, updated: cst.With) -> Any:
+        call = _creation_call(original, self.alias)
+        if call is not None and self._creations[call][0] is None:
+            return self._unwrap(original, updated, self._creations[call][1])
+        return self._mark_header(updated)
+
+    def _creation_verdict(self, call: cst.Call, family: str | None) -> str | None:
+        """None when ``with smp.model_creation(...):`` can become its body, else why not (the mark)."""
+        kwargs = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
+        if len(kwargs) != len(call.args):
+            return "model_creation with positional arguments: name them (tensor_parallelism=, dtype=, ...)"
+        whys = [_CREATION_ARGUMENTS[k] for k in kwargs if k in _CREATION_ARGUMENTS]
+        settings = [k for k in kwargs if k not in _CREATION_ARGUMENTS and k != "tensor_parallelism"]
+        if settings:
+            whys.append(f"model_creation {', '.join(settings)}: SMP's distributed transformer settings have no "
+                        "DeepSpeed equivalent")
+        if whys:
+            return "; ".join(whys)
+        if self.tensor_parallel <= 1:
+            return None  # SMP shards nothing at tensor_parallel_degree 1
+        marked = kwargs.get("tensor_parallelism")
+        if not (isinstance(marked, cst.Name) and marked.value == "True"):
+            return (f"at tensor_parallel_degree {self.tensor_parallel} SMP keeps what is built without "
+                    "tensor_parallelism=True whole, while AutoTP shards the model deepspeed.initialize gets: if "
+                    "this is that model, decide whether it may be sharded")
+        if family is None:
+            return ("tensor parallelism: the class built here does not tell the model family: drop this with if "
+                    "DeepSpeed's AutoTP shards it (tensor_parallel.autotp_size in the config; AutoTP refuses "
+                    f"{', '.join(AUTOTP_REFUSED)})")
+        self.families.append(family)
+        if family in AUTOTP_REFUSED:
+            return f"tensor parallelism: DeepSpeed's AutoTP refuses the {family} family: {_ROUTE}"
+        return None
+
+    def _unwrap(self, original: cst.With, updated: cst.With, family: str | None) -> Any:
+        """The with statement's body in its place; the with line's comments go before the first statement."""
+        kept = list(updated.leading_lines)
+        body = updated.body
+        statements: list[cst.SimpleStatementLine | cst.BaseCompoundStatement]
+        if isinstance(body, cst.IndentedBlock):
+            if body.header.comment is not None:
+                kept.append(cst.EmptyLine(comment=body.header.comment))
+            statements = list(body.body)  # type: ignore[arg-type]  # an indented block holds statements
+        else:  # with ...: statement (one line)
+            suite = cst.ensure_type(body, cst.SimpleStatementSuite)
+            statements = [cst.SimpleStatementLine(body=suite.body, trailing_whitespace=suite.trailing_whitespace)]
+        statements[0] = statements[0].with_changes(leading_lines=[*kept, *statements[0].leading_lines])
+        how = f"; AutoTP shards the {family} model in deepspeed.initialize" if family else ""
+        self.changes.append(Change(self._line(original), self._code(original.items[0].item),
+                                   f"(removed: the model is built as it is{how})"))
+        return cst.FlattenSentinel(statements)
 
     # ---- decorators and calls -----------------------------------------------------------------------
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> Any:
@@ -288,25 +429,58 @@ class _Porter(m.MatcherDecoratableTransformer):
             self._record(original, f"_smp_step({func.value}, ...)")
             return updated.with_changes(func=cst.Name("_smp_step"), args=[cst.Arg(func), *updated.args])
         if (self.model_name and isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name)
-                and func.value.value == self.model_name and func.attr.value == "state_dict" and not updated.args):
-            self._record(original, f"{self.model_name}.module.state_dict()")
-            return cst.parse_expression(f"{self.model_name}.module.state_dict()")
+                and func.value.value == self.model_name and func.attr.value == "state_dict"):
+            if updated.args:
+                self._leave_for_person(original, "state_dict")
+                return updated
+            self._record(original, f"_smp_state_dict({self.model_name})")
+            return cst.parse_expression(f"_smp_state_dict({self.model_name})")
         if self.alias is None or not isinstance(func, cst.Attribute) or not self._is_smp(func):
             return updated
         name = func.attr.value
-        if name in _SIMPLE:
-            self._record(original, _SIMPLE[name])
-            return cst.parse_expression(_SIMPLE[name])
-        if name in _DATA_PARALLEL and not self.model_parallel:
-            self._record(original, _DATA_PARALLEL[name])
-            return cst.parse_expression(_DATA_PARALLEL[name])
-        if name == "allgather" and not self.model_parallel and updated.args:
-            text = f"_smp_allgather({self.module.code_for_node(updated.args[0].value)})"
+        text = self._rewrite(name, updated)
+        if text is not None:
             self._record(original, text)
             return cst.parse_expression(text)
-        if name not in ("DistributedModel", "DistributedOptimizer", "save_checkpoint", "step"):
+        if name == "model_creation" and original in self._creations:
+            why = self._creations[original][0]
+            if why is not None:
+                self._leave_for_person(original, name, why)
+        elif name in ("dp_rank", "dp_size") and self.tensor_parallel > 1 and self.pipeline_parallel <= 1:
+            self._leave_for_person(original, name, _WHY_TENSOR_PARALLEL[name])
+        elif name not in ("DistributedModel", "DistributedOptimizer", "save_checkpoint", "step"):
             self._leave_for_person(original, name)
         return updated
+
+    def _rewrite(self, name: str, call: cst.Call) -> str | None:
+        """The text replacing ``smp.<name>(...)`` at this layout, or None."""
+        if name in _SIMPLE:
+            return _SIMPLE[name]
+        if self.pipeline_parallel > 1:
+            return None
+        if self.tensor_parallel <= 1 and name in _DATA_PARALLEL:
+            return _DATA_PARALLEL[name]
+        if self.tensor_parallel > 1 and name in _AUTOTP_MESH:
+            return _AUTOTP_MESH[name]
+        if name == "allgather" and call.args:
+            group = self._group(call.args[1].value) if len(call.args) > 1 else ""
+            if group is None:
+                return None
+            obj = self.module.code_for_node(call.args[0].value)
+            return f'_smp_allgather({obj}, "{group}")' if group else f"_smp_allgather({obj})"
+        return None
+
+    def _group(self, node: cst.BaseExpression) -> str | None:
+        """``smp.RDP_GROUP`` / ``smp.CommGroup.RDP_GROUP`` -> ``_smp_allgather``'s group ("" for the world), None
+        for what is not one of SMP's groups."""
+        if not isinstance(node, cst.Attribute) or node.attr.value not in _GROUPS:
+            return None
+        base = node.value
+        if isinstance(base, cst.Attribute) and base.attr.value == "CommGroup":
+            base = base.value
+        if not (isinstance(base, cst.Name) and base.value == self.alias):
+            return None
+        return _GROUPS[node.attr.value] or ""
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> Any:
         if self.alias is None:
@@ -322,35 +496,72 @@ class _Porter(m.MatcherDecoratableTransformer):
             return cst.Name("None")
         return updated
 
-    def _leave_for_person(self, node: cst.CSTNode, name: str) -> None:
-        why = _WHY.get(name, f"{self.alias}.{name} has no rewrite here: port it by hand (docs/leaving-smp.md)")
+    def _leave_for_person(self, node: cst.CSTNode, name: str, why: str | None = None) -> None:
+        why = why or _WHY.get(name, f"{self.alias}.{name} has no rewrite here: port it by hand (docs/leaving-smp.md)")
         self._record(node, why, manual=True)
         self._pending_marks.append(why)
 
 
+def _creation_call(node: cst.With, alias: str | None) -> cst.Call | None:
+    """The call of ``with smp.model_creation(...):`` (one item, no ``as``), else None."""
+    if alias is None or len(node.items) != 1 or node.items[0].asname is not None:
+        return None
+    call = node.items[0].item
+    if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
+            and isinstance(call.func.value, cst.Name) and call.func.value.value == alias
+            and call.func.attr.value == "model_creation"):
+        return None
+    return call
+
+
+def _family(body: cst.CSTNode) -> str | None:
+    """The model family, as DeepSpeed's AutoTP names it (``gpt2``, ``llama``), of the Hugging Face class a block
+    builds (``GPT2LMHeadModel(config)``, ``transformers.LlamaForCausalLM.from_config(config)``); None when no class
+    tells it (``AutoModelForCausalLM``: the family is in the config)."""
+    for call in m.findall(body, m.Call()):
+        func = call.func  # type: ignore[attr-defined]
+        names = []
+        while isinstance(func, cst.Attribute):
+            names.append(func.attr.value)
+            func = func.value
+        if isinstance(func, cst.Name):
+            names.append(func.value)
+        for name in names:
+            match = _HF_CLASS.match(name)
+            if match and not match.group(1).startswith("Auto"):
+                return match.group(1).lower()
+    return None
+
+
 def _with_mark(line: cst.SimpleStatementLine, why: str) -> cst.SimpleStatementLine:
     """``line`` with the port's comment, after the script's own comment when it has one."""
-    own = line.trailing_whitespace.comment
+    return line.with_changes(trailing_whitespace=_marked(line.trailing_whitespace, why))
+
+
+def _marked(end: cst.TrailingWhitespace, why: str) -> cst.TrailingWhitespace:
+    """A line's end with the port's comment, after the script's own comment when it has one."""
+    own = end.comment
     text = f"{own.value}  {MARK}{why}" if own is not None else MARK + why
-    return line.with_changes(trailing_whitespace=cst.TrailingWhitespace(
-        whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(text)))
+    return cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(text))
 
 
-def port_source(source: str, *, config_name: str, microbatches: int, model_parallel: bool) -> PortResult:
-    """``source`` ported (see the module docstring); raises ``cst.ParserSyntaxError`` on a file that does not
-    parse."""
+def port_source(source: str, *, config_name: str, microbatches: int, tensor_parallel: int = 1,
+                pipeline_parallel: int = 1) -> PortResult:
+    """``source`` ported (see the module docstring) for the job's layout (its micro-batches and degrees); raises
+    ``cst.ParserSyntaxError`` on a file that does not parse."""
     module = cst.parse_module(source)
     wrapper = cst.MetadataWrapper(module)
-    porter = _Porter(wrapper.module, model_parallel)
+    porter = _Porter(wrapper.module, tensor_parallel, pipeline_parallel)
     porter.visit_Module(wrapper.module)
     if porter.alias is None:
         return PortResult(source)
     ported = wrapper.visit(porter)
-    helpers = cst.parse_module("pass\n" + _helpers(config_name, microbatches)).body[1:]  # keeps its comment
+    # parsed after a statement, so that the block's leading comment stays with it
+    helpers = cst.parse_module("pass\n" + _helpers(config_name, microbatches, tensor_parallel)).body[1:]
     body = list(ported.body)
     at = _after_imports(body)
     ported = ported.with_changes(body=[*body[:at], *helpers, *body[at:]])
-    return PortResult(ported.code, porter.changes, ported=True)
+    return PortResult(ported.code, porter.changes, ported=True, families=list(dict.fromkeys(porter.families)))
 
 
 def _after_imports(body: list[Any]) -> int:
