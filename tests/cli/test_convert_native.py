@@ -39,7 +39,9 @@ def test_tensor_parallelism_is_autotp_and_the_group_feeds_its_ranks_rows(tmp_pat
     assert code == 0
     config = json.loads(out)
     assert config["tensor_parallel"] == {"autotp_size": 2}
-    assert (config["train_micro_batch_size_per_gpu"], config["train_batch_size"]) == (6, 12)  # tp x B over dp 2
+    # tp x B rows per rank; DeepSpeed's batch check counts all 4 ranks with AutoTP from the config (the exit
+    # matrix's AutoTP continuation runs this config unchanged)
+    assert (config["train_micro_batch_size_per_gpu"], config["train_batch_size"]) == (6, 24)
     assert "each tensor-parallel group feeds 6 identical rows" in err
     code, out, _ = _native(tmp_path, {"ddp": True, "tensor_parallel_degree": 2, "prescaled_batch": True}, capsys,
                            "--world-size", "4", "--batch-size", "3")

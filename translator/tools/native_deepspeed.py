@@ -69,13 +69,18 @@ def native_config(plan: Plan, model_type: str | None = None,
         raise SMPConfigError([Issue("/microbatches", f"the per-rank batch {rows} does not split into "
                                     f"{micro_batches} micro-batches", hint="choose a batch size they divide")])
     dp = topo.world_size // (tp * topo.pipeline_parallel_degree)
+    # DeepSpeed (0.19.8) checks train_batch_size against every rank when AutoTP comes from the config alone: its
+    # tensor-parallel ranks count as data-parallel ones there, though they feed the same rows
+    counted = dp * tp
     micro = rows // micro_batches
     config: dict[str, Any] = {k: plan.deepspeed[k] for k in _KEPT if k in plan.deepspeed}
     config.update({"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": micro_batches,
-                   "train_batch_size": micro * micro_batches * dp})
+                   "train_batch_size": micro * micro_batches * counted})
     notes = [f"batch: SMP's per-rank batch {batch_size} in {micro_batches} micro-batch(es) -> "
              f"train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps {micro_batches} over "
-             f"DeepSpeed's data-parallel size {dp}: train_batch_size {micro * micro_batches * dp}"]
+             f"DeepSpeed's data-parallel size {dp}: train_batch_size {micro * micro_batches * counted}"
+             + (f" (DeepSpeed counts the {tp} AutoTP ranks of a group in its batch check, though they share rows)"
+                if tp > 1 else "")]
     stage = int(plan.deepspeed.get("zero_optimization", {}).get("stage", 0))
     zero: dict[str, Any] = {"stage": stage}
     sdp = topo.sharded_data_parallel_degree
@@ -93,7 +98,7 @@ def native_config(plan: Plan, model_type: str | None = None,
     if tp > 1:
         config["tensor_parallel"] = {"autotp_size": tp}
         notes.append(f"tensor_parallel_degree {tp} -> DeepSpeed AutoTP (tensor_parallel.autotp_size {tp})"
-                     + ("" if model_type else f"; AutoTP refuses {', '.join(AUTOTP_REFUSED)}: give --model to check")
+                     + ("" if model_type else f"; AutoTP refuses {', '.join(AUTOTP_REFUSED)}: give --model-type to check")
                      + ("" if prescaled else f"; each tensor-parallel group feeds {rows} identical rows (SMP's "
                         "tensor-parallel ranks read their own rows without prescaled_batch)"))
     if topo.pipeline_parallel_degree > 1:
@@ -101,4 +106,7 @@ def native_config(plan: Plan, model_type: str | None = None,
                      "PipelineModule needs the model as a layer list; this config covers the rest of the layout")
     if stage == 1 and sdp <= 1:
         notes.append("shard_optimizer_state -> ZeRO stage 1")
+    if zero["stage"] == 0:
+        notes.append("ZeRO stage 0: DeepSpeed loads a universal checkpoint (load_universal) into ZeRO stages 1 to 3 "
+                     "only: to continue an exported checkpoint, set zero_optimization.stage 1 (same training)")
     return config, notes
