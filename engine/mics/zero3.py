@@ -123,7 +123,9 @@ def load_full_state_dict(engine: Any, state_dict: Mapping[str, torch.Tensor], st
 
     Every rank passes the same dict. Parameters are gathered, loaded, re-partitioned
     (``GatheredParameters(modifier_rank=0)``: shard rank 0's copy wins), and DeepSpeed's fp32 master
-    partitions are refreshed from them, so the next optimizer step starts from the loaded weights.
+    partitions are refreshed from them, so the next optimizer step starts from the loaded weights. Before
+    ``smp.DistributedOptimizer`` the engine has no optimizer (DeepSpeed's parameter offload object stands in):
+    there are no master partitions yet, and the optimizer builds them from the loaded weights.
     Returns ``load_state_dict``'s result (missing/unexpected keys).
     """
     import deepspeed
@@ -131,7 +133,9 @@ def load_full_state_dict(engine: Any, state_dict: Mapping[str, torch.Tensor], st
     module = engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
         result = module.load_state_dict(dict(state_dict), strict=strict)
-    engine.optimizer.refresh_fp32_params()
+    refresh = getattr(engine.optimizer, "refresh_fp32_params", None)
+    if refresh is not None:
+        refresh()
     return result
 
 

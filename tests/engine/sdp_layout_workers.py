@@ -71,7 +71,7 @@ class _Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _setup(smp: Any, model_kind: str, seed: int) -> tuple[Any, Any, Any]:
+def _setup(smp: Any, model_kind: str, seed: int, before_optimizer: Any = None) -> tuple[Any, Any, Any]:
     records, logger = _Records(), logging.getLogger("smp2ds")
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
@@ -80,6 +80,8 @@ def _setup(smp: Any, model_kind: str, seed: int) -> tuple[Any, Any, Any]:
     finally:
         logger.removeHandler(records)
     model.wrap_log = records.lines  # type: ignore[attr-defined]
+    if before_optimizer is not None:
+        before_optimizer(model)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(param_groups(model), lr=0.01, eps=1e-6))
 
     @smp.step
@@ -137,3 +139,18 @@ def resume_and_train(model_kind: str, path: str, tag: str | None = None) -> dict
     final = model.state_dict()
     smp.barrier()
     return plain({"start": start, "losses": losses, "final": dict(final)}) if smp.rank() == 0 else {}
+
+
+def load_before_the_optimizer(model_kind: str) -> dict:
+    """A model with other weights is wrapped, then ``model.load_state_dict`` of the weights ``train_and_save``
+    starts from (seed 7), before ``smp.DistributedOptimizer`` exists (as scripts load pretrained weights), and
+    trains all ``STEPS``; rank 0 returns the losses after ``SAVE_AT`` and the final weights."""
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(CONFIG)
+    start = build(smp, model_kind, 7).state_dict()
+    model, _, run = _setup(smp, model_kind, seed=1234, before_optimizer=lambda m: m.load_state_dict(start))
+    losses = [run(step) for step in range(STEPS)]
+    final = model.state_dict()
+    smp.barrier()
+    return plain({"losses": losses[SAVE_AT:], "final": dict(final)}) if smp.rank() == 0 else {}

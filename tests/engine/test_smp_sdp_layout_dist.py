@@ -226,3 +226,14 @@ def test_the_sdp_checkpoint_exports_to_dcp_and_universal_in_hugging_face_names(r
         for moment in ("exp_avg", "exp_avg_sq"):
             got = torch.load(str(zero / name / f"{moment}.pt"), weights_only=False)["param"]
             assert torch.equal(got, flat["optim"]["state"][name][moment]), (name, moment)
+
+
+def test_weights_loaded_before_the_optimizer_train_like_the_run_that_started_from_them(runs):
+    """``model.load_state_dict`` under sharded data parallelism before ``smp.DistributedOptimizer`` (DeepSpeed's
+    engine has no fp32 master partitions yet: there is nothing to refresh) trains like the run built with those
+    weights."""
+    got = _torch(run_ranks(w.load_before_the_optimizer, 2, "gpt2")[0])
+    _, want = runs["gpt2"]
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6)
+    for name, tensor in want["final"].items():
+        torch.testing.assert_close(got["final"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
