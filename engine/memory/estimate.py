@@ -102,6 +102,7 @@ class RoleMemory:
                 "parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations": self.activations, "buckets": self.buckets, "transient": self.transient,
                 "total": self.total, "peak_phase": self.peak_phase,
+                "phases": {"backward": self.backward_peak, "reduce": self.reduce_peak, "update": self.update_peak},
                 "micro_batches_in_flight": self.in_flight, "parameters_held": self.elements,
                 "formulas": [{"name": p.name, "bytes": p.bytes, "reason": p.reason, "phase": p.phase}
                              for p in self.parts]}

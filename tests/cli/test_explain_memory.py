@@ -34,6 +34,25 @@ def test_memory_prints_each_stage_and_the_verdict(files, capsys):
     assert [r["micro_batches_in_flight"] for r in report["roles"]] == [2, 1]
     assert report["device"]["fits"] is True and report["peak"] == max(r["total"] for r in report["roles"])
     assert {f["name"] for f in report["roles"][0]["formulas"]} == {"Adam moments", "all-reduce bucket"}
+    assert report["batch_source"] == "--batch-size" and report["not_counted"] == []
+    # every phase's total, the peak the largest (no reduce-scatter phase without ZeRO-3)
+    assert all(r["total"] == max(r["phases"].values()) and r["phases"]["reduce"] == 0 for r in report["roles"])
+    assert main(argv) == 0
+    assert "each phase's total" in capsys.readouterr().out
+
+
+def test_what_the_estimate_does_not_model_is_said(tmp_path, files, capsys):
+    """SMP's 175B seed configuration offloads activations: the estimate counts them on the device and says so."""
+    _, model = files
+    smp = tmp_path / "offload.json"
+    smp.write_text(json.dumps({"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True,
+                               "offload_activations": True}))
+    argv = ["explain", str(smp), "--model", model, "--memory", "--world-size", "2", "--batch-size", "4"]
+    assert main(argv) == 0
+    assert "not modelled: offload_activations" in capsys.readouterr().out
+    assert main([*argv, "--format", "json"]) == 0
+    [line] = json.loads(capsys.readouterr().out)["not_counted"]
+    assert line.startswith("offload_activations: ") and "upper bound" in line
 
 
 def test_sequence_and_batch_come_from_the_estimators_hyperparameters(tmp_path, files, capsys):
@@ -88,6 +107,8 @@ def test_memory_sizes_sharded_data_parallelism(tmp_path, files, capsys):
     role = json.loads(capsys.readouterr().out)["roles"][0]
     assert {f["name"] for f in role["formulas"]} >= {"Adam moments", "reduce bucket", "replica all-reduce copy"}
     assert role["peak_phase"] in ("backward", "reduce", "update")
+    # ZeRO-3's phases each have a total: forward and backward (activations), the last reduce-scatter, the update
+    assert all(value > 0 for value in role["phases"].values()) and role["total"] == max(role["phases"].values())
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -233,8 +233,8 @@ def test_device_sizes_and_names():
 def test_explain_params_and_explain_memory_count_the_same_model_state_bytes(precision, sharding):
     """``explain --params`` (the traffic model's per-rank model states) and ``explain --memory`` (the formula parts
     plus the traced parameters and gradients) agree for the same slice: one table of bytes per parameter."""
-    from smp2ds.translator.plan_types import Layout
     from smp2ds.translator.normalize import normalize
+    from smp2ds.translator.plan_types import Layout
     from smp2ds.translator.planner import plan
     from smp2ds.translator.tools.estimate import estimate
 

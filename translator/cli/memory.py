@@ -83,7 +83,9 @@ def _seq_len(flag: int | None, config: Any, source: Any) -> tuple[int, str]:
 def _batch(result: Any) -> tuple[int, str]:
     batch = result.engine_settings.batch
     if batch.per_rank_batch:
-        return int(batch.per_rank_batch), str(batch.source or "--batch-size")
+        # the layout's batch is the --batch-size flag's (explain's --world-size / --batch-size make the layout)
+        source = batch.source if batch.source and batch.source != "layout" else "--batch-size"
+        return int(batch.per_rank_batch), source
     raise UsageError("--memory needs the per-rank batch: pass --batch-size, or set hyperparameters.batch_size "
                      "(or per_device_train_batch_size / train_batch_size) in the configuration")
 
@@ -125,7 +127,17 @@ def memory_report(args: argparse.Namespace, config: Any, result: Any) -> dict[st
     device = device_from_flag(args.gpu_memory)
     if device is not None:
         out["device"] = _verdict(estimate, *device)
+    out["not_counted"] = not_counted(config)
     return out
+
+
+def not_counted(config: Any) -> list[str]:
+    """Settings of the configuration the estimate does not model, each with what that means for the figures."""
+    found = []
+    if config.given.get("offload_activations"):
+        found.append("offload_activations: the activations of checkpointed blocks are counted on the device, as "
+                     "without offloading (an upper bound for the activation column)")
+    return found
 
 
 def fit_warning(model: str, config: Any, result: Any, device: tuple[int, str], *, seq_len: int | None = None,
@@ -155,7 +167,7 @@ def _verdict(estimate: Any, size: int, label: str) -> dict[str, Any]:
             "headroom_bytes": usable - estimate.peak}
 
 
-_PHASES = {"backward": "backward", "reduce": "last reduce-scatter", "update": "update"}
+_PHASES = {"backward": "forward and backward", "reduce": "last reduce-scatter", "update": "update"}
 """The phases a role peaks in (``RoleMemory.peak_phase``), for people."""
 _HELD = {"persistent": "", "step": " [update only]", "backward": " [forward and backward only]",
          "reduce": " [at the last reduce-scatter only]", "transient": ""}
@@ -181,10 +193,16 @@ def render_memory_text(report: Mapping[str, Any]) -> str:
                      _PHASES[role["peak_phase"]]])
     parts = [head, table(["role", "layers", "params", "grads", "optimizer", "activations", "buckets", "transient",
                           "peak", "peak in"], rows)]
+    parts.append("\neach phase's total (the peak is the largest):\n" + "".join(
+        f"  stage {role['stage']}: " + ", ".join(f"{_PHASES[name]} {human_bytes(value)}"
+                                                 for name, value in role["phases"].items() if value) + "\n"
+        for role in report["roles"]))
     formulas = report["roles"][0]["formulas"]
     if formulas:
         parts.append("\nby formula (no tracer sees them), stage 0:\n" + "".join(
             f"  {f['name']}: {human_bytes(f['bytes'])} - {f['reason']}{_HELD[f['phase']]}\n" for f in formulas))
+    for line in report.get("not_counted") or []:
+        parts.append(f"\nnot modelled: {line}\n")
     device = report.get("device")
     if device:
         verdict = "fits" if device["fits"] else "does NOT fit"
