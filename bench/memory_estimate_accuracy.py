@@ -35,8 +35,9 @@ from cpu_ranks import run  # noqa: E402
 from tests.engine import memory_workers as rows  # noqa: E402
 
 
-def _rank(rank: int, family: str, layout: str, ckpt: bool, path: str, batch: int = rows.BATCH) -> dict:
-    return rows.measured_peak(family, layout, ckpt, path, batch)
+def _rank(rank: int, family: str, layout: str, ckpt: bool, path: str, batch: int = rows.BATCH,
+          seq: int = rows.SEQ) -> dict:
+    return rows.measured_peak(family, layout, ckpt, path, batch, seq)
 
 
 FIT_BATCH = 12
@@ -73,6 +74,8 @@ def main() -> None:
     parser.add_argument("--rows", default="", help="comma-separated family-layout[-ckpt] rows (default: all)")
     parser.add_argument("--json", help="write the table as JSON here too")
     parser.add_argument("--world-size", type=int, default=2, help="ranks per row (default 2)")
+    parser.add_argument("--batch-size", type=int, default=rows.BATCH, help=f"per-rank batch (default {rows.BATCH})")
+    parser.add_argument("--seq-len", type=int, default=rows.SEQ, help=f"tokens per sample (default {rows.SEQ})")
     parser.add_argument("--fit-check", metavar="SIZE", help="measure the first layout --fit SIZE proposes instead")
     args = parser.parse_args()
     if args.fit_check:
@@ -88,11 +91,12 @@ def main() -> None:
             ckpt = rest == ["ckpt"]
             path = rows.write_config(family, os.path.join(tmp, f"{family}.json"))
             try:
-                roles = rows.estimated_roles(layout, ckpt, path, world=args.world_size)
+                roles = rows.estimated_roles(layout, ckpt, path, world=args.world_size, batch=args.batch_size,
+                                             seq=args.seq_len)
             except ValueError as err:
                 print(f"{name:22s} not estimated: {err}", flush=True)
                 continue
-            for m in run(_rank, args.world_size, family, layout, ckpt, path):
+            for m in run(_rank, args.world_size, family, layout, ckpt, path, args.batch_size, args.seq_len):
                 est = roles[m["pp_rank"]]["total"]
                 ratio = est / m["measured"]
                 table.append({"row": name, **m, "estimate": est, "ratio": ratio})

@@ -5,8 +5,9 @@ and makes the same transient tensors. So every figure the tracer reports for a s
 layers before and after them) is ``a + b * n``: the parameters and the activations saved until backward grow by
 one block's worth per block, and the step's peak, at the turn from forward to backward or inside the first backward
 block, sits on top of all of them. Two traces of neighbouring block counts give ``a`` and ``b``, and the figure of
-any count follows exactly. Tracing 80 blocks of a 70B model on fake tensors takes half a minute; one and two
-blocks take a second, which is what lets ``--fit`` search a cluster's layouts. Scaled and whole traces are compared
+any count follows exactly. Tracing the 80 blocks of a 70B model on fake tensors takes 8 to 30 seconds per layout on
+2 CPU cores; one and two blocks take about one (``bench/fit_search.py``), which is what lets ``--fit`` search a
+cluster's layouts. Scaled and whole traces are compared
 in ``tests/engine/test_memory_block_scaling.py``.
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, fields
 from smp2ds.engine.memory.step_trace import StepTrace
 
 SCALE_ABOVE = 4
-"""Models with more blocks than this are traced on 2 and 3 blocks and scaled; smaller ones are traced whole."""
+"""Models with more blocks than this are traced on 1 and 2 blocks and scaled; smaller ones are traced whole."""
 LOW, HIGH = 1, 2
 """The block counts traced: neighbours, so the scaling is integer arithmetic; every figure is already on its line
 from the first block (equal to whole traces for GPT-2, LLaMA and BERT, with and without checkpointing)."""

@@ -316,7 +316,8 @@ class PipelineRunner:
         DeepSpeed's last stage backpropagates ``engine.loss``, the loss of the *latest* forward:
         right for 1F1B (each forward is followed by its backward), wrong for GPipe (all forwards
         first). Wrapping the forward/backward instructions of this engine instance records the
-        loss per pipe buffer and restores it before that buffer's backward. Every reducing
+        loss per pipe buffer and restores it before that buffer's backward, and lets go of the
+        buffer's outputs once their backward is done. Every reducing
         schedule starts its reductions with ``ReduceTiedGrads`` (`schedules`): ``before_reduce``
         runs just before it.
         """
@@ -335,6 +336,11 @@ class PipelineRunner:
             if runner.is_last_stage:
                 eng.loss = by_buffer.pop(buffer_id)
             PipelineEngine._exec_backward_pass(eng, buffer_id)
+            if runner.is_last_stage:
+                # DeepSpeed's last stage keeps the buffer's outputs (the logits) after their backward until the
+                # next forward into that buffer has made its own: one micro-batch's logits too many at the
+                # stage's peak. Nothing reads them after the backward.
+                eng.pipe_buffers["outputs"][buffer_id] = None
 
         def reduce_tied(eng: Any) -> None:
             if runner.before_reduce is not None:

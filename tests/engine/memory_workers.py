@@ -16,7 +16,6 @@ Two corrections make the measurement the device's figure:
 
 from __future__ import annotations
 
-import gc
 import json
 import resource
 from typing import Any
@@ -67,7 +66,7 @@ def _params(layout: str | dict[str, Any]) -> dict[str, Any]:
 
 
 def measured_peak(family: str, layout: str | dict[str, Any], ckpt: bool, config_path: str,
-                  batch: int = BATCH) -> dict[str, Any]:
+                  batch: int = BATCH, seq: int = SEQ) -> dict[str, Any]:
     """This rank's measured peak for the row (run on every rank of a 2-rank world); ``layout`` names a row of
     `LAYOUTS` or is the SMP parameters themselves."""
     import torch
@@ -96,7 +95,7 @@ def measured_peak(family: str, layout: str | dict[str, Any], ckpt: bool, config_
             for block in _blocks(model):
                 smp.set_activation_checkpointing(block)
         optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
-        ids = torch.randint(0, config["vocab_size"], (batch, SEQ), generator=torch.Generator().manual_seed(smp.rank()))
+        ids = torch.randint(0, config["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(smp.rank()))
 
         @smp.step
         def train_step(model: Any, ids: Any) -> Any:
@@ -104,21 +103,20 @@ def measured_peak(family: str, layout: str | dict[str, Any], ckpt: bool, config_
             model.backward(out.loss)
             return out.loss
 
+        # a plain run, as a user's script is: the collector neither run before a step nor held off during it
+        # (with it off for every step, ZeRO-1's 5e8-element buffer is still freed each step on the training
+        # thread: nothing holds it in a reference cycle)
         for _ in range(2):
-            gc.collect()
-            gc.disable()
-            try:
-                optimizer.zero_grad(set_to_none=True)
-                train_step(model, ids)
-                optimizer.step()
-            finally:
-                gc.enable()
+            optimizer.zero_grad(set_to_none=True)
+            train_step(model, ids)
+            optimizer.step()
     return {"rank": smp.rank(), "pp_rank": smp.pp_rank(), "tp_rank": smp.tp_rank(),
             "measured": counter.peak - off_stage, "off_stage": off_stage,
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def estimated_roles(layout: str | dict[str, Any], ckpt: bool, config_path: str, world: int = 2) -> list[dict[str, Any]]:
+def estimated_roles(layout: str | dict[str, Any], ckpt: bool, config_path: str, world: int = 2, batch: int = BATCH,
+                    seq: int = SEQ) -> list[dict[str, Any]]:
     """``smp2ds explain --memory``'s roles for the row, as dicts."""
     from smp2ds.engine.memory import estimate_memory, load_model_source
     from smp2ds.engine.memory.layout import step_shape
@@ -128,5 +126,5 @@ def estimated_roles(layout: str | dict[str, Any], ckpt: bool, config_path: str, 
 
     lay = Layout(world_size=world)
     result = plan(normalize(_params(layout), lay), lay)
-    shape = step_shape(result, batch_per_rank=BATCH, seq_len=SEQ, activation_checkpointing=ckpt, backend="gloo")
+    shape = step_shape(result, batch_per_rank=batch, seq_len=seq, activation_checkpointing=ckpt, backend="gloo")
     return [r.to_dict() for r in estimate_memory(load_model_source(config_path), shape).roles]

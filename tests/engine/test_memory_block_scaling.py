@@ -45,14 +45,30 @@ def sources(tmp_path_factory):
     return found
 
 
-@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-@pytest.mark.parametrize("family", CONFIGS)
-def test_ten_blocks_scaled_from_two_and_three_equal_ten_traced(sources, family, shape):
-    step = StepShape(**{"batch_per_rank": 4, "seq_len": 32, **shape})
+CASES = [("llama", name) for name in SHAPES] + [(family, name) for family in ("gpt2", "bert")
+                                                 for name in ("pp3-uneven", "tp2-pp2-checkpointing", "sdp2")]
+"""Every shape on LLaMA; GPT-2 (tied head, Conv1D) and BERT (encoder, masked-LM head) where their layer lists
+and blocks differ most."""
+
+
+@pytest.mark.parametrize(("family", "shape_name"), CASES, ids=[f"{f}-{s}" for f, s in CASES])
+def test_ten_blocks_scaled_from_one_and_two_equal_ten_traced(sources, family, shape_name):
+    step = StepShape(**{"batch_per_rank": 4, "seq_len": 32, **SHAPES[shape_name]})
     traced = estimate_memory(sources[family], step, scale=False).to_dict()
     scaled = estimate_memory(sources[family], step).to_dict()
     assert scaled == traced
     assert traced["roles"][0]["activations"] > 0
+
+
+def test_one_cache_across_layouts_gives_what_each_layout_alone_gives(sources):
+    """``--fit`` shares one cache across its layouts (whole models, partitions, stretches of a small model): each
+    estimate equals the one made without it, whatever came before."""
+    cache: dict = {}
+    for name in ("pp3-uneven", "tp2-pp2-checkpointing", "whole", "sdp2", "pp3-uneven"):
+        step = StepShape(**{"batch_per_rank": 4, "seq_len": 32, **SHAPES[name]})
+        assert estimate_memory(sources["gpt2"], step, cache=cache).to_dict() == \
+            estimate_memory(sources["gpt2"], step).to_dict(), name
+    assert any(key[0] == "stretch" for key in cache) and any(key[0] == "whole" for key in cache)
 
 
 def test_the_block_run_and_each_stage_s_stand_in():
