@@ -98,7 +98,8 @@ def native_config(plan: Plan, model_type: str | None = None,
     if tp > 1:
         config["tensor_parallel"] = {"autotp_size": tp}
         notes.append(f"tensor_parallel_degree {tp} -> DeepSpeed AutoTP (tensor_parallel.autotp_size {tp})"
-                     + ("" if model_type else f"; AutoTP refuses {', '.join(AUTOTP_REFUSED)}: give --model-type to check")
+                     + ("" if model_type else f"; AutoTP refuses {', '.join(AUTOTP_REFUSED)}: give --model-type to "
+                        "check")
                      + ("" if prescaled else f"; each tensor-parallel group feeds {rows} identical rows (SMP's "
                         "tensor-parallel ranks read their own rows without prescaled_batch)"))
     if topo.pipeline_parallel_degree > 1:
