@@ -18,9 +18,10 @@ things, so a job of any world size (FSDP2, DDP, one process) loads it with DCP's
 
 Streaming: DCP plans from the tensors' shapes and dtypes (meta tensors stand in for the model's
 weights) and asks for each tensor's bytes only when it writes it (:class:`_LazyPlanner`), one at a
-time (one writer thread), so the model is never whole in memory. The optimizer state is built
-first, whole, as ``consolidate --with-optimizer`` builds it. The directory is written under a
-temporary name and renamed into place.
+time (one writer thread), and each tensor goes to a file of its own: torch's ``FileSystemWriter`` keeps
+every tensor of a file referenced until the file is closed, so one file for the rank would hold the whole
+model at the end. The optimizer state is built first, whole, as ``consolidate --with-optimizer`` builds
+it. The directory is written under a temporary name and renamed into place.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def export(layout: CheckpointLayout, out_dir: str, translate: hf_naming.Translat
     if optim is not None:
         state[OPTIM_KEY] = optimizer_dict(optim)
     with staged_output(out_dir) as staging:
-        writer = dcp.FileSystemWriter(staging, single_file_per_rank=True, thread_count=1)
+        # a file per tensor: the writer lets go of a tensor when its file closes (module docstring)
+        writer = dcp.FileSystemWriter(staging, single_file_per_rank=False, thread_count=1)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp.save(state, storage_writer=writer, planner=_planner(lazy), no_dist=True)
@@ -126,7 +128,7 @@ def _producer(entry: consolidate.Entry, reader: consolidate.ShardReader) -> Call
 def _translated(entries: list[consolidate.Entry], reader: consolidate.ShardReader, optim: dict[str, Any] | None,
                 translate: hf_naming.Translate) -> tuple[dict, dict, dict[str, Any] | None]:
     """(meta model state, lazy producers, optimizer state), all under Hugging Face's names; a producer translates
-    its unit when first asked and keeps that one unit until another is asked for."""
+    its unit when first asked and keeps that unit's tensors not yet written until another unit is asked for."""
     by_key = {e.key: e for e in entries}
     renaming = hf_naming.plan({e.key: (e.shape, e.dtype) for e in entries}, translate)
     model = {key: torch.empty(shape, dtype=dtype, device="meta") for key, shape, dtype, _ in renaming.outputs}
@@ -134,13 +136,14 @@ def _translated(entries: list[consolidate.Entry], reader: consolidate.ShardReade
 
     def producer(key: str, unit: int) -> Callable[[], torch.Tensor]:
         def make() -> torch.Tensor:
-            if held["unit"] != unit:
+            if held["unit"] != unit or key not in held["tensors"]:
                 held["unit"], held["tensors"] = None, {}
                 reader.maybe_release()
                 held["tensors"] = renaming.translate_unit(
                     unit, {k: consolidate.join(by_key[k], reader) for k in renaming.units[unit]})
                 held["unit"] = unit
-            return held["tensors"][key]
+            # handed over, not kept: the unit shrinks as its tensors are written (DCP asks for each once)
+            return held["tensors"].pop(key)
         return make
 
     lazy = {f"{MODEL_KEY}.{key}": producer(key, unit) for key, _, _, unit in renaming.outputs}

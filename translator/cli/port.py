@@ -108,7 +108,9 @@ def _deepspeed_config(plan: Any, nominal: bool, families: list[str]) -> tuple[di
     the route that works), so the config is still written for the layout asked."""
     allowed = [f for f in families if f not in AUTOTP_REFUSED]
     model_type = allowed[0] if len(allowed) == 1 and len(families) == 1 else None
-    config, notes = native_config(plan, model_type=model_type, pipelines_by_hand=True)
+    config, notes = native_config(plan, model_type=model_type, pipelines_by_hand=True,
+                                  unknown_family="the script does not build a model class that names its family "
+                                                 "inside model_creation(tensor_parallelism=True): check yours")
     config.pop("train_batch_size", None)
     if nominal:
         notes.append("train_micro_batch_size_per_gpu is nominal (no --batch-size): DeepSpeed uses it for its own data "

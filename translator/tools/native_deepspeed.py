@@ -34,12 +34,13 @@ AUTOTP_REFUSED = ("deberta", "flaubert", "fsmt", "gpt2", "led", "longformer", "x
 _KEPT = ("gradient_clipping", "fp16", "bf16", "zero_allow_untested_optimizer", "steps_per_print")
 
 
-def native_config(plan: Plan, model_type: str | None = None,
-                  pipelines_by_hand: bool = False) -> tuple[dict[str, Any], list[str]]:
+def native_config(plan: Plan, model_type: str | None = None, pipelines_by_hand: bool = False,
+                  unknown_family: str = "give --model-type to check") -> tuple[dict[str, Any], list[str]]:
     """(the DeepSpeed config, the notes on what differs from SMP) for ``plan`` (its per-rank batch: ``--batch-size``
     or the hyperparameters). Raises :class:`SMPConfigError` naming the key for what native DeepSpeed cannot run as
     SMP did. ``pipelines_by_hand``: a pipeline is not refused (``smp2ds port`` marks it for a person) and the config
-    covers the rest of the layout."""
+    covers the rest of the layout. ``unknown_family``: what the AutoTP note tells a user whose family is not known.
+    """
     topo, settings = plan.topology_settings, plan.engine_settings
     batch_size = settings.batch.per_rank_batch
     issues = []
@@ -98,8 +99,7 @@ def native_config(plan: Plan, model_type: str | None = None,
     if tp > 1:
         config["tensor_parallel"] = {"autotp_size": tp}
         notes.append(f"tensor_parallel_degree {tp} -> DeepSpeed AutoTP (tensor_parallel.autotp_size {tp})"
-                     + ("" if model_type else f"; AutoTP refuses {', '.join(AUTOTP_REFUSED)}: give --model-type to "
-                        "check")
+                     + ("" if model_type else f"; AutoTP refuses {', '.join(AUTOTP_REFUSED)}: {unknown_family}")
                      + ("" if prescaled else f"; each tensor-parallel group feeds {rows} identical rows (SMP's "
                         "tensor-parallel ranks read their own rows without prescaled_batch)"))
     if topo.pipeline_parallel_degree > 1:
