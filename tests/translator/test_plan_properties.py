@@ -189,7 +189,12 @@ def check_plan(doc: dict[str, Any], layout: Layout) -> None:
         if note.fate in ("mapped", "engine"):
             resolve(out, note.target)
     est = estimate(p, 1e9)
-    assert 0 < est["schemes"][est["selected"]]["memory_fraction"] <= 1
+    chosen = est["schemes"][est["selected"]]
+    # sharding saves memory against DDP, except in fp32 over a group of one rank: DeepSpeed's ZeRO keeps an fp32
+    # copy of the partition and fp32 gradients even in fp32 (24 or 8 + 16 bytes per parameter against DDP's 16)
+    over_one = est["selected"] in ("zero1", "zero3", "mics") and est["bytes_per_param_copy"] == 4 and (
+        (est["shard_size"] if est["selected"] == "mics" else est["data_parallel_size"]) == 1)
+    assert 0 < chosen["memory_fraction"] <= (1.5 if over_one else 1)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

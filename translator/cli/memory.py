@@ -20,6 +20,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from smp2ds.translator.model_state_bytes import model_state_bytes_per_parameter
+
 from . import UsageError
 
 SEQ_HYPERPARAMETERS = ("max_context_width", "seq_length", "max_seq_length", "seq_len", "block_size", "max_length")
@@ -352,15 +354,12 @@ def _model_state_floor(candidate_plan: Any, n_params: int, batch: int, seq: int)
     tensor-parallel and pipeline ranks; ``smp2ds.translator.model_state_bytes``); ValueError for a layout the
     estimate does not cover."""
     # torch loads only with --memory / --fit (CLI start-up)
-    import torch
-
-    from smp2ds.engine.memory.layout import step_shape  # as above
-    from smp2ds.translator.model_state_bytes import model_state_bytes_per_parameter
+    from smp2ds.engine.memory.layout import step_shape
 
     shape = step_shape(candidate_plan, batch_per_rank=batch, seq_len=seq, activation_checkpointing=False)
-    width = 4 if shape.dtype == torch.float32 else 2
+    half = any(candidate_plan.deepspeed.get(k, {}).get("enabled") for k in ("fp16", "bf16"))
     per_rank = n_params / (shape.tensor_parallel * shape.pipeline_stages)
-    return per_rank * model_state_bytes_per_parameter(width=width, zero_stage=shape.zero_stage,
+    return per_rank * model_state_bytes_per_parameter(width=2 if half else 4, zero_stage=shape.zero_stage,
                                                       shard=shape.optimizer_shard)
 
 
