@@ -261,7 +261,7 @@ def _traced_stages(source: ModelSource, shape: StepShape, micro: int, *, scale: 
                 checkpoint_blocks(model)
             return model
 
-        if blocks is not None and blocks[1] > SCALE_ABOVE:
+        if blocks is not None and blocks[1] > SCALE_ABOVE and _builds_small(source, build):
             whole = None
             if sharded or shape.pipeline_stages > 1:
                 # parameter counts only (the partition, the census): built once per degree and dtype
@@ -281,6 +281,16 @@ def _traced_stages(source: ModelSource, shape: StepShape, micro: int, *, scale: 
         if shape.pipeline_stages == 1:
             return [_whole_model(model, inputs, preallocate_grads=not sharded)], model
         return _pipeline_stages(model, inputs, shape), model
+
+
+def _builds_small(source: ModelSource, build: Any) -> bool:
+    """True when the model builds with fewer blocks (a config whose other settings depend on the block count in a
+    way :meth:`ModelSource.with_blocks` does not know refuses it: then the model is traced whole)."""
+    try:
+        build(source.with_blocks(LOW))
+    except Exception:  # noqa: BLE001 - transformers' config validation raises its own classes; the whole trace
+        return False  # then runs and raises whatever is really wrong (a degree the heads refuse, ...)
+    return True
 
 
 def _scaled_whole_model(source: ModelSource, build: Any, micro: int, seq_len: int, blocks: int,

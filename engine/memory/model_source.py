@@ -23,6 +23,9 @@ InputMaker = Callable[[int, int], dict[str, Any]]
 
 BLOCK_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 """The Hugging Face config keys that give a model's number of transformer blocks."""
+PER_LAYER_PATTERNS = ("attention_types", "sliding_window_pattern", "block_types", "layers_block_type",
+                      "hybrid_override_pattern")
+"""Config keys that describe blocks unlike each other in a compact form (not a list per layer)."""
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,14 @@ class ModelSource:
         config = self.hf_config or {}
         if config.get("is_encoder_decoder", _encoder_decoder_by_default(config.get("model_type"))):
             return None  # two block stacks (T5, BART): traced whole
+        if any(key in config for key in PER_LAYER_PATTERNS):
+            return None  # a pattern of unlike blocks (GPT-Neo's global and local attention, ...)
         for key in BLOCK_COUNT_KEYS:
             value = config.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
-                return key, value
+                unlike = [k for k, v in config.items() if isinstance(v, list) and len(v) == value
+                          and len({json.dumps(item, sort_keys=True) for item in v}) > 1]
+                return None if unlike else (key, value)  # per-layer settings that differ: blocks not alike
         return None
 
     def with_blocks(self, count: int) -> ModelSource:
@@ -60,6 +67,9 @@ class ModelSource:
         if found is None or self.hf_config is None:
             raise ValueError(f"{self.description}: no block count to change")
         config = {**self.hf_config, found[0]: count}
+        for key, value in self.hf_config.items():  # per-layer settings (Qwen2's layer_types), all alike: cut too
+            if isinstance(value, list) and len(value) == found[1]:
+                config[key] = value[:count]
         return _from_hf_config(config, self.description.rsplit(" from ", 1)[-1])
 
     @property

@@ -108,3 +108,23 @@ def test_a_70b_llama_at_tp8_pp4_is_sized_from_a_few_blocks(tmp_path):
     assert [role.layers for role in roles][0] == ("model.embed_tokens", "model.layers.18")
     # 1F1B: the first stage holds 4 micro-batches' activations, the last one
     assert [role.in_flight for role in roles] == [4, 3, 2, 1]
+
+
+def test_per_layer_settings_are_cut_with_the_blocks_or_keep_the_model_whole(tmp_path):
+    """Qwen2's ``layer_types`` (one entry per block, all alike) is cut with the block count and the scaled
+    estimate still equals the whole trace; GPT-Neo's alternating global and local attention makes its blocks
+    unlike, so it is traced whole (and a config that refuses fewer blocks would be too)."""
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "vocab_size": 256, "max_position_embeddings": 64, "layer_types": ["full_attention"] * 6}
+    neo = {"architectures": ["GPTNeoForCausalLM"], "model_type": "gpt_neo", "hidden_size": 64, "num_layers": 6,
+           "num_heads": 4, "vocab_size": 256, "max_position_embeddings": 64,
+           "attention_types": [[["global", "local"], 3]]}
+    for name, config in (("qwen2", qwen2), ("neo", neo)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(config))
+    qwen = load_model_source(str(tmp_path / "qwen2.json"))
+    assert qwen.blocks == ("num_hidden_layers", 6)
+    assert qwen.with_blocks(2).hf_config["layer_types"] == ["full_attention"] * 2
+    step = StepShape(batch_per_rank=4, seq_len=32, pipeline_stages=2, microbatches=2)
+    assert estimate_memory(qwen, step).to_dict() == estimate_memory(qwen, step, scale=False).to_dict()
+    assert load_model_source(str(tmp_path / "neo.json")).blocks is None
