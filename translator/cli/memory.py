@@ -357,7 +357,7 @@ def _model_state_floor(candidate_plan: Any, n_params: int, batch: int, seq: int)
     from smp2ds.engine.memory.layout import step_shape
 
     shape = step_shape(candidate_plan, batch_per_rank=batch, seq_len=seq, activation_checkpointing=False)
-    half = any(candidate_plan.deepspeed.get(k, {}).get("enabled") for k in ("fp16", "bf16"))
+    half = _half(candidate_plan)
     per_rank = n_params / (shape.tensor_parallel * shape.pipeline_stages)
     return per_rank * model_state_bytes_per_parameter(width=2 if half else 4, zero_stage=shape.zero_stage,
                                                       shard=shape.optimizer_shard)
@@ -375,7 +375,7 @@ def _candidate(source: Any, candidate_plan: Any, params: dict[str, Any], peak: i
     tp_bytes = _tensor_parallel_bytes(model_config, candidate_plan, batch, seq)
     topo = candidate_plan.topology
     pp, tp = int(topo["pipeline_parallel_degree"]), int(topo["tensor_parallel_degree"])
-    half = any(candidate_plan.deepspeed.get(k, {}).get("enabled") for k in ("fp16", "bf16"))
+    half = _half(candidate_plan)
     hidden = _config_int(model_config, ("hidden_size", "n_embd", "d_model"))
     sends = pipeline_send_bytes(stages=pp, batch_per_rank=batch, seq_len=seq, hidden=hidden or 0,
                                 bytes_per_element=2 if half else 4)
@@ -400,6 +400,11 @@ def _candidate(source: Any, candidate_plan: Any, params: dict[str, Any], peak: i
                      activation_checkpointing=ckpt, step=step_time(work))
 
 
+def _half(plan: Any) -> bool:
+    """True when the plan trains in fp16 or bf16."""
+    return any(plan.deepspeed.get(k, {}).get("enabled") for k in ("fp16", "bf16"))
+
+
 def _config_int(model_config: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
     value = next((model_config[k] for k in keys if k in model_config), None)
     return value if isinstance(value, int) else None
@@ -412,11 +417,11 @@ def _tensor_parallel_bytes(model_config: Mapping[str, Any], plan: Any, batch: in
     from smp2ds.translator.tools.tp_traffic import tensor_parallel_traffic
 
     tp = int(plan.topology["tensor_parallel_degree"])
-    layers = next((model_config[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in model_config), None)
-    hidden = next((model_config[k] for k in ("hidden_size", "n_embd", "d_model") if k in model_config), None)
+    layers = _config_int(model_config, ("num_hidden_layers", "n_layer", "num_layers"))
+    hidden = _config_int(model_config, ("hidden_size", "n_embd", "d_model"))
     if tp == 1 or not isinstance(layers, int) or not isinstance(hidden, int):
         return 0.0
-    half = any(plan.deepspeed.get(k, {}).get("enabled") for k in ("fp16", "bf16"))
+    half = _half(plan)
     found = tensor_parallel_traffic(tp=tp, layers=layers, hidden=hidden, seq_len=seq, batch_per_rank=batch,
                                     microbatches=int(plan.engine_settings.microbatches),
                                     bytes_per_element=2 if half else 4,
