@@ -11,6 +11,10 @@ corrections they make to the measurement are explained there).
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python3 bench/memory_estimate_accuracy.py [--rows gpt2-ddp,llama-pp2-ckpt]
         [--world-size 4]
 
+``--counter allocator`` measures with PyTorch's CPU allocator's running total read from the profiler
+(``smp2ds.engine.memory.measure.AllocatorPeak``) instead of the live-tensor counter: the two share no code. It
+prints the allocator's figure as recorded and the one corrected for frees on threads the profiler does not record.
+
 ``--world-size 4`` runs the rows on four ranks: ``sdp2`` then shards over two ranks and keeps two replicas (the
 replica all-reduce of sharded data parallelism), ``ddp`` and ``zero1`` reduce over four.
 
@@ -36,8 +40,8 @@ from tests.engine import memory_workers as rows  # noqa: E402
 
 
 def _rank(rank: int, family: str, layout: str, ckpt: bool, path: str, batch: int = rows.BATCH,
-          seq: int = rows.SEQ) -> dict:
-    return rows.measured_peak(family, layout, ckpt, path, batch, seq)
+          seq: int = rows.SEQ, counter: str = "live") -> dict:
+    return rows.measured_peak(family, layout, ckpt, path, batch, seq, counter)
 
 
 FIT_BATCH = 12
@@ -76,6 +80,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2, help="ranks per row (default 2)")
     parser.add_argument("--batch-size", type=int, default=rows.BATCH, help=f"per-rank batch (default {rows.BATCH})")
     parser.add_argument("--seq-len", type=int, default=rows.SEQ, help=f"tokens per sample (default {rows.SEQ})")
+    parser.add_argument("--counter", choices=("live", "allocator"), default="live",
+                        help="live tensor storages (default) or PyTorch's CPU allocator total from the profiler")
     parser.add_argument("--fit-check", metavar="SIZE", help="measure the first layout --fit SIZE proposes instead")
     args = parser.parse_args()
     if args.fit_check:
@@ -96,13 +102,16 @@ def main() -> None:
             except ValueError as err:
                 print(f"{name:22s} not estimated: {err}", flush=True)
                 continue
-            for m in run(_rank, args.world_size, family, layout, ckpt, path, args.batch_size, args.seq_len):
+            for m in run(_rank, args.world_size, family, layout, ckpt, path, args.batch_size, args.seq_len,
+                         args.counter):
                 est = roles[m["pp_rank"]]["total"]
                 ratio = est / m["measured"]
                 table.append({"row": name, **m, "estimate": est, "ratio": ratio})
                 print(f"{name:22s} {args.world_size} ranks, rank {m['rank']}  estimate {est / 2**20:8.1f} MiB  "
                       f"measured {m['measured'] / 2**20:8.1f} MiB  ratio {ratio:5.3f}  "
-                      f"(peak RSS {m['rss'] / 2**20:7.1f} MiB)", flush=True)
+                      f"(peak RSS {m['rss'] / 2**20:7.1f} MiB)" + (
+                          f"  allocator as recorded {m['recorded'] / 2**20:8.1f} MiB, {m['unseen_frees']} free(s) "
+                          "on unrecorded threads" if "recorded" in m else ""), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(table, fh, indent=1)

@@ -1,8 +1,9 @@
 """A SageMaker model parallel (SMP v1) training script, unchanged, running on smp2ds.
 
 Written the way SMP v1 scripts were (smp.init, DistributedModel, DistributedOptimizer,
-@smp.step with model.backward, StepOutput.reduce_mean, smp.save_checkpoint); the SMP
-configuration comes from the launcher through SM_HP_MP_PARAMETERS, e.g.
+@smp.step with model.backward, StepOutput.reduce_mean, smp.save_checkpoint,
+smp.resume_from_checkpoint); the SMP configuration comes from the launcher through
+SM_HP_MP_PARAMETERS, e.g.
 
     SM_HP_MP_PARAMETERS='{"ddp": true, "microbatches": 2, "shard_optimizer_state": true}' \
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_smp_mlp.py
@@ -27,7 +28,9 @@ def parse_args():
     parser.add_argument("--batch-size", type=int, default=8, help="per data-parallel rank")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
-    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-dir", default=None, help="save a partial checkpoint there after the last step")
+    parser.add_argument("--resume-dir", default=None, help="resume from the newest checkpoint there (its steps "
+                        "count: --steps more are run)")
     parser.add_argument("--dump-weights", default=None, help="rank 0 saves the final weights here (torch.save)")
     parser.add_argument("--quiet", action="store_true")
     args, _ = parser.parse_known_args()  # SageMaker also passes --mp_parameters ...; ignore extras
@@ -67,8 +70,11 @@ def main():
         if plan is not None:
             print("plan.topology:", json.dumps({k: v for k, v in plan.topology.items() if k != "groups"}))
             print("plan.deepspeed:", json.dumps(plan.deepspeed, sort_keys=True))
+    first = 0
+    if args.resume_dir:
+        first = smp.resume_from_checkpoint(args.resume_dir)["steps"]  # the newest partial checkpoint
     loss = None
-    for step in range(args.steps):
+    for step in range(first, first + args.steps):
         start = (step * b * dp) % x.shape[0] + smp.dp_rank() * b  # shard each global batch by dp_rank
         data, target = x[start:start + b], y[start:start + b]
         optimizer.zero_grad(set_to_none=True)
@@ -80,8 +86,8 @@ def main():
             print(f"step {step} loss {sum(losses) / len(losses):.6f}")
 
     if args.checkpoint_dir:
-        smp.save_checkpoint(args.checkpoint_dir, tag=f"step{args.steps}", partial=True, model=model,
-                            optimizer=optimizer, user_content={"steps": args.steps})
+        smp.save_checkpoint(args.checkpoint_dir, tag=f"step{first + args.steps}", partial=True, model=model,
+                            optimizer=optimizer, user_content={"steps": first + args.steps})
     state = model.state_dict()
     if smp.rank() == 0:
         flat = torch.cat([state[k].float().reshape(-1) for k in sorted(state)])

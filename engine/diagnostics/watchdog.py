@@ -63,7 +63,8 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name=f"smp2ds-watchdog-{rank}", daemon=True)
         self._seen: dict[int, tuple[int, float]] = {}
         self._main_thread = threading.get_ident()  # the thread running smp.init: the training loop
-        self._entry: Any = None
+        self._entry: Any = None  # the frame of a collective call waited in since the previous tick
+        self._sighted: tuple[int, Any] | None = None  # (id, code) of the call first seen at the last tick, not held
         self._entry_since = 0.0
         self._forgotten = 0  # bumped by forget_position (main thread); a sample taken across a bump is dropped
         self._peer_beats: dict[int, int] = {}  # each peer's heartbeat count at the first look of a long wait
@@ -106,7 +107,7 @@ class Watchdog:
         except RuntimeError:  # still executing: the wait goes on
             return
         if self._entry is entry:
-            self._entry = None
+            self._entry = self._sighted = None  # a new frame at the same address is a new call
 
     def forget_position(self) -> None:
         """Drop the collective call last seen on the main thread; the main thread calls this between steps, when
@@ -114,7 +115,7 @@ class Watchdog:
         reduction frames hold views of its bucket, so a finished step's 2 GB ZeRO-1 buffer outlived it while the
         next step allocated its own (seen at random, by the memory estimate's measurement)."""
         self._forgotten += 1
-        self._entry = None
+        self._entry = self._sighted = None
 
     def halt(self) -> None:
         """Stop heartbeating without marking this rank finished."""
@@ -214,8 +215,18 @@ class Watchdog:
         if forgotten != self._forgotten:
             entry = None  # sampled before a step boundary: that call may have finished since
         if entry is None or entry is not self._entry:
-            self._entry, self._entry_since = entry, now  # holds the frame so its identity stays unique
-            self._peer_beats, self._peer_beats_since = {}, None
+            # A call seen at one tick only is not held: the frame is kept (so that its identity stays unique) from
+            # the second tick that finds the same frame, i.e. for calls that already wait over a tick. Held
+            # frames are let go by this thread when their call returns (_release_finished_entry), which frees
+            # their locals here: a short call's tensors (a ZeRO-1 step's 2 GB gradient buffer) are never the
+            # watchdog's to free, so they go when the main thread drops them, and a per-thread allocator count
+            # (PyTorch's profiler) sees the free.
+            key = None if entry is None else (id(entry), entry.f_code)
+            if key is not None and key == self._sighted:
+                self._entry = entry  # the second sighting: the wait started at the first
+            else:
+                self._sighted, self._entry, self._entry_since = key, None, now
+                self._peer_beats, self._peer_beats_since = {}, None
             return None
         waited = now - self._entry_since
         if waited <= self.timeout_s / 2:

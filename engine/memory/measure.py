@@ -1,4 +1,6 @@
-"""Measuring a real step's peak: the bytes of live tensor storages, counted as they are made and freed.
+"""Measuring a real step's peak, two ways that share no code: the bytes of live tensor storages, counted as they are
+made and freed (`LiveTensorBytes`), and PyTorch's CPU allocator's own running total read from the profiler
+(`AllocatorPeak`).
 
 `LiveTensorBytes` is a ``TorchDispatchMode``: every operator's output storage is counted once when first
 seen and uncounted when Python frees it (a weak reference's callback), and the peak of the running sum is
@@ -62,3 +64,62 @@ class LiveTensorBytes(TorchDispatchMode):
             if isinstance(item, torch.Tensor):
                 self._count(item)
         return out
+
+
+class AllocatorPeak:
+    """The peak of PyTorch's CPU allocator's running total inside the block, read from ``torch.profiler``'s memory
+    events (``profile_memory=True``): each allocation event carries the allocator's total after it.
+
+    The allocator counts what it hands out and frees only on threads the profiler records (the one that entered the
+    block, and autograd's): a block freed on another thread is never subtracted, and the total drifts up. Such a
+    free is still visible afterwards: the allocator cannot hand out an address that is in use, so an allocation at
+    the address of a block whose free was not seen proves that block was freed first. ``peak`` is the allocator's
+    figure as recorded; ``peak_corrected`` subtracts each such block from the point its address was handed out
+    again; ``unseen_frees`` counts them. A free on another thread whose address is never reused stays counted, so
+    ``peak_corrected`` is still an upper bound.
+    """
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.peak_corrected = 0
+        self.unseen_frees = 0
+        self._profile: Any = None
+
+    def __enter__(self) -> AllocatorPeak:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._profile.__exit__(*exc)
+        events = sorted(_allocation_events(self._profile.profiler.kineto_results.experimental_event_tree()))
+        self._profile = None
+        base = events[0][2] - events[0][1] if events else 0  # the total before the block's first event
+        live: dict[int, int] = {}
+        unseen = 0  # bytes freed on threads the profiler did not record, found by their address's reuse
+        for _, size, total, ptr in events:
+            self.peak = max(self.peak, total - base)
+            if size > 0:
+                if ptr in live:
+                    unseen += live[ptr]
+                    self.unseen_frees += 1
+                live[ptr] = size
+            else:
+                live.pop(ptr, None)
+            self.peak_corrected = max(self.peak_corrected, total - base - unseen)
+
+
+def _allocation_events(roots: list) -> list[tuple[int, int, int, int]]:
+    """(time, bytes, allocator total after it, address) of every CPU allocation (bytes > 0) and free (< 0) in the
+    profiler's event tree."""
+    found = []
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        extra = node.extra_fields
+        if type(extra).__name__ == "_ExtraFields_Allocation" and extra.device.type == "cpu":
+            found.append((node.start_time_ns, extra.alloc_size, extra.total_allocated, extra.ptr))
+    return found

@@ -87,6 +87,10 @@ def test_fit_proposes_layouts_that_fit_fastest_per_sample_first(files, capsys):
     assert best["step_time"]["samples_per_step"] == 2 * 4
     piped = [i for i in found["fitting"] if i["smp_parameters"]["pipeline_parallel_degree"] == 2]
     assert all(i["step_time"]["terms"]["pipeline bubble"] > 0 for i in piped)
+    # for users leaving SMP: the first layout as a native DeepSpeed config, what `convert --native` writes for it
+    native = found["native_deepspeed"]["config"]
+    assert native["train_micro_batch_size_per_gpu"] * native["gradient_accumulation_steps"] == 4
+    assert native["zero_optimization"]["stage"] == 0 and "tensor_parallel" not in native
     # ZeRO-1's 5e8-element bucket (about 1.9 GiB in fp32) does not fit a 1.5 GiB device: only DDP layouts remain
     assert main([*argv, "--fit", "1.5GiB", "--format", "json"]) == 0
     small = json.loads(capsys.readouterr().out)

@@ -87,6 +87,10 @@ def _config(out: Path) -> dict:
                                     {"ddp": True, "microbatches": 2, "shard_optimizer_state": True}],
                          ids=["dp2-microbatches2", "zero1"])
 def test_the_ported_example_trains_like_the_smp_script_under_smp2ds(tmp_path, params):
+    """The ported example runs 2 steps and saves (``smp.save_checkpoint`` -> ``engine.save_checkpoint``), then a
+    second launch resumes (``smp.resume_from_checkpoint`` -> ``_smp_resume``: weights, Adam's moments, ZeRO-1's
+    partitions, the saved user_content giving the step to go on from) and runs 2 more: the losses of all 4 steps and
+    the final digest are the unported script's uninterrupted 4 steps under smp2ds, bit for bit."""
     code, out = _port(tmp_path, EXAMPLE.read_text(), params)
     assert code == 1  # smp.state (smp2ds's plan print) is left for a person, marked
     config = _config(out)
@@ -94,9 +98,13 @@ def test_the_ported_example_trains_like_the_smp_script_under_smp2ds(tmp_path, pa
     assert config["zero_optimization"]["stage"] == (1 if params.get("shard_optimizer_state") else 0)
     text = out.read_text()
     assert "smdistributed" not in text.split("def main")[1] and "import smdistributed" not in text
-    ported = _run_ported(tmp_path, out, "--steps", "4")
+    assert "first = _smp_resume(model, args.resume_dir)[\"steps\"]" in text
+    saved = _run_ported(tmp_path, out, "--steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step2"  # DeepSpeed's layout, its newest tag
+    resumed = _run_ported(tmp_path, out, "--steps", "2", "--resume-dir", str(tmp_path / "ckpt"), launcher="torchrun")
     smp = _run_smp(tmp_path, EXAMPLE, params, "--steps", "4")
-    assert len(_lines(smp)) == 5 and _lines(ported) == _lines(smp)
+    steps = [line for line in _lines(saved) if line.startswith("step ")]
+    assert len(_lines(smp)) == 5 and steps + _lines(resumed) == _lines(smp)
 
 
 @pytest.mark.slow
@@ -225,7 +233,7 @@ def test_pipelines_and_unknown_calls_are_marked_and_listed(tmp_path, capsys):
     text = out.read_text()
     assert "with sm.partition(1):  # smp2ds port: pipelines: DeepSpeed's PipelineModule" in text
     assert "sm.set_partition(layer, 0)  # smp2ds port: pipelines" in text
-    assert "sm.resume_from_checkpoint('/ckpt')  # smp2ds port: resume with engine.load_checkpoint" in text
+    assert "sm.resume_from_checkpoint('/ckpt')  # smp2ds port: resume after deepspeed.initialize" in text
     report = (tmp_path / "report.txt").read_text()
     assert "## Left for a person (" in report and "set_partition" in report and "resume_from_checkpoint" in report
 
@@ -373,6 +381,103 @@ def test_state_dict_with_smp_arguments_is_marked(tmp_path, capsys):
             "DeepSpeed equivalent") in out.read_text()
 
 
+def test_resume_from_checkpoint_rules_golden(tmp_path, capsys):
+    """After the engine exists, each way SMP's resume is called becomes ``_smp_resume`` with the same arguments
+    (positional ones by SMP's order, 1.10's ``load_optimizer_states`` renamed); before it, or with an argument
+    DeepSpeed has no equivalent for, the call is marked with the reason."""
+    calls = ["uc = sm.resume_from_checkpoint('/ckpt')",
+             "uc = sm.resume_from_checkpoint('/ckpt', 'step4', False)",
+             "sm.resume_from_checkpoint(path='/ckpt', tag=None, strict=False, load_optimizer=False)",
+             "sm.resume_from_checkpoint('/ckpt', load_optimizer_states=False)",
+             "sm.resume_from_checkpoint('/ckpt', translate_function=fix)",
+             "sm.resume_from_checkpoint('/ckpt', load_sharded_optimizer_state=False)"]
+    source = SCRIPT.replace("    sm.barrier()", "\n".join(f"    {c}" for c in calls) + "\n    sm.barrier()")
+    source = source.replace("    net = sm.DistributedModel(build())",
+                            "    early = sm.resume_from_checkpoint('/old')\n    net = sm.DistributedModel(build())")
+    code, out = _port(tmp_path, source, {"ddp": True})
+    assert code == 1
+    text = out.read_text()
+    for ported in ("uc = _smp_resume(net, '/ckpt')", "uc = _smp_resume(net, '/ckpt', tag='step4', partial=False)",
+                   "_smp_resume(net, '/ckpt', tag=None, strict=False, load_optimizer=False)",
+                   "_smp_resume(net, '/ckpt', load_optimizer=False)"):
+        assert f"    {ported}\n" in text, ported
+    assert ("early = sm.resume_from_checkpoint('/old')  # smp2ds port: resume after deepspeed.initialize: "
+            "_smp_resume(engine, path, tag=...)") in text
+    assert ("sm.resume_from_checkpoint('/ckpt', translate_function=fix)  # smp2ds port: resume_from_checkpoint "
+            "translate_function: translate the state dict by hand") in text
+    assert ("sm.resume_from_checkpoint('/ckpt', load_sharded_optimizer_state=False)  # smp2ds port: "
+            "resume_from_checkpoint load_sharded_optimizer_state: DeepSpeed loads ZeRO's optimizer partitions whole "
+            "or not at all") in text
+    report = (tmp_path / "report.txt").read_text()
+    assert "checkpoints: the ported script saves and resumes DeepSpeed's layout" in report
+    compile(text, str(out), "exec")
+
+
+RESUME_SCRIPT = '''import json, sys
+import torch
+import smdistributed.modelparallel.torch as smp
+
+
+def main():
+    smp.init()
+    torch.manual_seed(0)
+    model = smp.DistributedModel(torch.nn.Linear(4, 2))
+    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train_step(model, x):
+        loss = model(x).square().sum()
+        model.backward(loss)
+        return loss
+
+    def train():
+        optimizer.zero_grad()
+        train_step(model, torch.ones(2, 4))
+        optimizer.step()
+
+    def moment():
+        return [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+
+    train()
+    smp.save_checkpoint(sys.argv[1], tag="a", partial=True, model=model, optimizer=optimizer, user_content={"k": 1})
+    saved, saved_moment = [p.detach().clone() for p in model.parameters()], moment()
+    train()
+    later = moment()
+    full = smp.resume_from_checkpoint(sys.argv[1], tag="a", partial=False)  # weights only
+    checks = {"full_weights": same(list(model.parameters()), saved), "full_keeps_moment": same(moment(), later)}
+    train()
+    later = moment()
+    weights_only = smp.resume_from_checkpoint(sys.argv[1], load_optimizer=False)  # tag None: the latest
+    checks.update(weights=same(list(model.parameters()), saved), keeps_moment=same(moment(), later))
+    content = smp.resume_from_checkpoint(sys.argv[1])
+    checks.update(all_moment=same(moment(), saved_moment), content=content, full=full, weights_only=weights_only)
+    print(json.dumps(checks))
+
+
+main()
+'''
+
+
+@pytest.mark.slow
+def test_the_resume_rewrite_restores_weights_moments_and_user_content_as_asked(tmp_path):
+    """``_smp_resume`` on a real DeepSpeed engine (one rank): a full resume (``partial=False``: SMP's full
+    checkpoints hold weights only) and one with ``load_optimizer=False`` restore the saved weights and leave Adam's
+    moments as they were; the default restores the moments too; each returns the saved user_content."""
+    code, out = _port(tmp_path, RESUME_SCRIPT, {"ddp": True, "microbatches": 1})
+    assert code == 0, (tmp_path / "report.txt").read_text()
+    (tmp_path / "blocked.py").write_text(BLOCKED, encoding="utf-8")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                          str(tmp_path / "blocked.py"), str(out), str(tmp_path / "ckpt")], cwd=tmp_path, env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    checks = json.loads(run.stdout.strip().splitlines()[-1])
+    assert checks == {"full_weights": True, "full_keeps_moment": True, "weights": True, "keeps_moment": True,
+                      "all_moment": True, "content": {"k": 1}, "full": {"k": 1}, "weights_only": {"k": 1}}
+
+
 class _FakeWorld:
     """torch.distributed for the port's helpers: rank ``me`` of ``size``, all_gather_object filling in each rank's
     own number."""
@@ -416,9 +521,13 @@ def test_smps_gpt2_script_ports_with_the_distributed_transformer_and_pipelines_l
     report = (tmp_path / "report.txt").read_text()
     manual = report.split("## Left for a person")[1].split("## What differs")[0]
     for needed in ("smp.model_creation(", "SMP's distributed transformer settings", "smp.set_partition(",
-                   "smp.set_activation_checkpointing(", "smp.resume_from_checkpoint(", "smp.save(", "smp.load("):
+                   "smp.set_activation_checkpointing(", "smp.save(", "smp.load("):
         assert needed in manual, needed
     rewritten = report.split("## Rewritten")[1].split("## Left for a person")[0]
     assert "_smp_state_dict(model)" in rewritten and "model.save_checkpoint(args.model_dir" in rewritten
+    # the full-model save and its resume pair up in DeepSpeed's layout: module only, SMP's full checkpoint holds no
+    # optimizer state
+    assert '_smp_resume(model, args.model_dir, tag="fullmodel.pt", partial=False)' in ported
+    assert "checkpoints: the ported script saves and resumes DeepSpeed's layout" in report
     assert "give --model-type" not in report  # port has no such flag: the note speaks of the script
     capsys.readouterr()

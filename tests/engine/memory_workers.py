@@ -1,17 +1,15 @@
 """Rank bodies and rows for the measured-versus-estimated memory checks (tests and ``bench/memory_estimate_accuracy``).
 
-`measured_peak` runs two real training steps of the engine on one rank under
-``smp2ds.engine.memory.measure.LiveTensorBytes`` (started before the model is built, so DeepSpeed's copies, buckets
-and optimizer state are counted as they are allocated) and returns the rank's peak bytes of live tensors.
-`estimated_roles` is what ``smp2ds explain --memory`` computes for the same row.
+`measured_peak` runs two real training steps of the engine on one rank, as a user's script runs them (the garbage
+collector neither run before a step nor held off during it), under one of two counters started before the model is
+built, so DeepSpeed's copies, buckets and optimizer state are counted as they are allocated:
+``smp2ds.engine.memory.measure.LiveTensorBytes`` (bytes of live tensor storages) or, with ``counter="allocator"``,
+``AllocatorPeak`` (PyTorch's CPU allocator's running total from the profiler). `estimated_roles` is what
+``smp2ds explain --memory`` computes for the same row.
 
-Two corrections make the measurement the device's figure:
-* with pipelines the script builds the whole model on every rank and DeepSpeed's pipeline module moves only the
-  stage's layers to the device; the other stages' parameters (host memory on a GPU machine) are subtracted;
-* the garbage collector runs before each step and not during it: under a Python dispatch mode (this counter, or
-  PyTorch's ``MemTracker``) with automatic collection, DeepSpeed's previous ZeRO-1 gradient buffer was sometimes
-  still alive when the next one was allocated, doubling a 2 GB buffer at random; without a dispatch mode it was
-  freed at once in every run we checked, and with collection only between steps in every run.
+With pipelines the script builds the whole model on every rank and DeepSpeed's pipeline module moves only the
+stage's layers to the device; the other stages' parameters (host memory on a GPU machine) are subtracted from the
+measurement.
 """
 
 from __future__ import annotations
@@ -66,14 +64,15 @@ def _params(layout: str | dict[str, Any]) -> dict[str, Any]:
 
 
 def measured_peak(family: str, layout: str | dict[str, Any], ckpt: bool, config_path: str,
-                  batch: int = BATCH, seq: int = SEQ) -> dict[str, Any]:
+                  batch: int = BATCH, seq: int = SEQ, counter: str = "live") -> dict[str, Any]:
     """This rank's measured peak for the row (run on every rank of a 2-rank world); ``layout`` names a row of
-    `LAYOUTS` or is the SMP parameters themselves."""
+    `LAYOUTS` or is the SMP parameters themselves; ``counter`` is ``live`` (`LiveTensorBytes`) or ``allocator``
+    (`AllocatorPeak`: its ``peak`` as measured, and ``recorded`` / ``unseen_frees`` in the result)."""
     import torch
     import transformers
 
     import smdistributed.modelparallel.torch as smp
-    from smp2ds.engine.memory.measure import LiveTensorBytes
+    from smp2ds.engine.memory.measure import AllocatorPeak, LiveTensorBytes
 
     params = _params(layout)
     smp.init(params)
@@ -83,8 +82,8 @@ def measured_peak(family: str, layout: str | dict[str, Any], ckpt: bool, config_
     hf = transformers.AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items()
                                                                      if k != "model_type"})
     torch.manual_seed(0)
-    counter = LiveTensorBytes()
-    with counter:
+    count: Any = AllocatorPeak() if counter == "allocator" else LiveTensorBytes()
+    with count:
         with smp.model_creation(tensor_parallelism=params.get("tensor_parallel_degree", 1) > 1):
             built = cls(hf)
         model = smp.DistributedModel(built)
@@ -103,15 +102,14 @@ def measured_peak(family: str, layout: str | dict[str, Any], ckpt: bool, config_
             model.backward(out.loss)
             return out.loss
 
-        # a plain run, as a user's script is: the collector neither run before a step nor held off during it
-        # (with it off for every step, ZeRO-1's 5e8-element buffer is still freed each step on the training
-        # thread: nothing holds it in a reference cycle)
         for _ in range(2):
             optimizer.zero_grad(set_to_none=True)
             train_step(model, ids)
             optimizer.step()
+    extra = {"recorded": count.peak - off_stage, "unseen_frees": count.unseen_frees} if counter == "allocator" else {}
+    peak = count.peak_corrected if counter == "allocator" else count.peak
     return {"rank": smp.rank(), "pp_rank": smp.pp_rank(), "tp_rank": smp.tp_rank(),
-            "measured": counter.peak - off_stage, "off_stage": off_stage,
+            "measured": peak - off_stage, "off_stage": off_stage, **extra,
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 

@@ -66,3 +66,20 @@ def test_a_step_boundary_drops_the_call_and_a_sample_taken_across_it(monkeypatch
     monkeypatch.setattr(stall, "sample", sample_across_a_boundary)
     wd._progress()
     assert wd._entry is None
+
+
+def test_a_call_is_held_only_from_its_second_sighting(monkeypatch):
+    """A collective seen at one tick is not held (its tensors are freed by the main thread when it returns); seen
+    again at the next tick it is held, and the wait counts from the first sighting."""
+    wd = _watchdog()
+    frame = sys._getframe()
+    monkeypatch.setattr(stall, "sample", lambda thread_id: (stall.Position(0, "all_reduce", None, "here"), frame))
+    wd._progress()
+    first = wd._entry_since
+    assert wd._entry is None and wd._sighted == (id(frame), frame.f_code)
+    wd._progress()
+    assert wd._entry is frame and wd._entry_since == first
+    wd._entry = None  # the call returned and was let go: a frame at the same address later is a new call
+    wd._sighted = None
+    wd._progress()
+    assert wd._entry is None and wd._entry_since > first

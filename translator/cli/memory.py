@@ -341,12 +341,28 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
             fitting.append(dataclasses.replace(timed, peak=estimate.peak))
     from smp2ds.translator.tools.step_time import REFERENCE_DEVICE  # as above
 
+    first_plan = next((p for _, _, t, p in queue if fitting and t.params is fitting[0].params), None)
     return {"device": label, "usable_bytes": usable, "world_size": world, "batch_per_rank": batch, "seq_len": seq,
             "layouts_tried": tried, "layouts_over_by_model_states": pruned, "candidates": len(queue) // 2,
             "skipped": skipped, "step_time_device": REFERENCE_DEVICE.label,
             "fitting": [{"smp_parameters": c.params, "peak": c.peak, "bytes_per_rank": c.bytes_per_rank,
                          "activation_checkpointing": c.activation_checkpointing, "step_time": c.step}
-                        for c in fitting]}
+                        for c in fitting],
+            "native_deepspeed": _native_exit(first_plan, source) if first_plan is not None else None}
+
+
+def _native_exit(candidate_plan: Any, source: Any) -> dict[str, Any]:
+    """For users leaving SMP: the native DeepSpeed config of a proposed layout (``convert --to deepspeed --native``)
+    and its notes, or why a plain DeepSpeed script cannot run it (pipelines, a family AutoTP refuses)."""
+    from smp2ds.translator.issues import SMPConfigError
+    from smp2ds.translator.tools.native_deepspeed import native_config  # serves --fit alone
+
+    model_type = (source.hf_config or {}).get("model_type")
+    try:
+        config, notes = native_config(candidate_plan, model_type=model_type if isinstance(model_type, str) else None)
+    except SMPConfigError as exc:
+        return {"refused": "; ".join(f"{i.message} ({i.hint})" if i.hint else i.message for i in exc.issues)}
+    return {"config": config, "notes": notes}
 
 
 def _model_state_floor(candidate_plan: Any, n_params: int, batch: int, seq: int) -> float:
@@ -457,6 +473,12 @@ def render_fit_text(report: Mapping[str, Any], limit: int = FIT_SHOWN) -> str:
                      + (", with activation checkpointing on every block" if item["activation_checkpointing"] else "")
                      + "\n")
         lines.append("   " + json.dumps(item["smp_parameters"], sort_keys=True) + "\n")
+    native = report.get("native_deepspeed")
+    if native:
+        lines.append("\nthe first as a native DeepSpeed config (a plain deepspeed.initialize script, "
+                     "`convert --to deepspeed --native`): " + (json.dumps(native["config"], sort_keys=True)
+                                                               if "config" in native else
+                                                               f"none: {native['refused']}") + "\n")
     return "".join(lines)
 
 

@@ -28,14 +28,19 @@ Rewrites (``smp`` is whatever name the script imported ``smdistributed.modelpara
 * ``O.step()`` and ``O.zero_grad(...)`` -> nothing (the engine stepped and zeroed at the accumulation boundary);
 * ``M.state_dict()`` -> ``_smp_state_dict(M)``: as SMP's, the whole model under its own names on every rank (ZeRO-3
   partitions and AutoTP shards gathered first); ``smp.save_checkpoint(path, tag=..., model=M, ...,
-  user_content=C)`` -> ``M.save_checkpoint(path, tag=..., client_state=C)``;
+  user_content=C)`` -> ``M.save_checkpoint(path, tag=..., client_state={"user_content": C})``;
+* ``smp.resume_from_checkpoint(path, tag=..., partial=..., strict=..., load_optimizer=...)`` after the engine exists
+  -> ``_smp_resume(M, path, ...)``: ``M.load_checkpoint`` of what the ported script saved (tag None: DeepSpeed's
+  ``latest``), the optimizer and scheduler too unless ``load_optimizer`` is False or the checkpoint is a full one
+  (SMP's ``partial=False`` holds weights only), returning the saved ``user_content``; before the engine exists, or
+  with ``translate_function`` / ``load_sharded_optimizer_state``, it is marked;
 * ``smp.allgather(obj, group)`` -> the ``obj`` of every rank of SMP's group (``dist.all_gather_object`` over the
   world, kept to the group's ranks): ``WORLD`` / ``DP_GROUP`` / ``RDP_GROUP`` / ``TP_GROUP`` / ``MP_GROUP`` without
   a pipeline;
 * ``smp.state`` -> ``None`` (SMP's and smp2ds's run state: DeepSpeed has none), marked.
 
 Everything else under ``smp.`` is marked for a person: pipelines (DeepSpeed's ``PipelineModule`` needs a layer
-list), ``smp.nn`` modules, ``smp.resume_from_checkpoint`` (``engine.load_checkpoint`` once the engine exists), ...
+list), ``smp.nn`` modules, ``smp.save`` / ``smp.load`` (per-rank file names), ...
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ class PortResult:
     families: list[str] = field(default_factory=list)
     """The model families built for tensor parallelism (``smp.model_creation(tensor_parallelism=True)``), as
     DeepSpeed's AutoTP names them (lower case: ``llama``, ``gpt2``); empty when not told."""
+    checkpoints: bool = False
+    """True when a save or a resume was rewritten: the ported script then reads and writes DeepSpeed's layout."""
 
     @property
     def manual(self) -> list[Change]:
@@ -96,9 +103,9 @@ _ROUTE = ("export the weights (`smp2ds checkpoint export CHECKPOINT --to hf DIR`
           "or sharded data parallelism (tensor_parallel_degree 1: drop tensor_parallel from the DeepSpeed config), "
           "or under accelerate (`smp2ds convert --to accelerate`) if it has a tp_plan")
 _WHY = {
-    "resume_from_checkpoint": "resume with engine.load_checkpoint(path, tag) after deepspeed.initialize (it returns "
-                              "(path, client_state)); SMP checkpoints: `smp2ds checkpoint export --to "
-                              "deepspeed-universal` first",
+    "resume_from_checkpoint": "resume after deepspeed.initialize: _smp_resume(engine, path, tag=...) (DeepSpeed's "
+                              "load_checkpoint, returning the saved user_content); a checkpoint SMP wrote: "
+                              "`smp2ds checkpoint export --to deepspeed-universal` first",
     "partition": "pipelines: DeepSpeed's PipelineModule needs the model as a layer list (docs/leaving-smp.md)",
     "set_partition": "pipelines: DeepSpeed's PipelineModule needs the model as a layer list (docs/leaving-smp.md)",
     "nn": "smp.nn modules have no DeepSpeed equivalent: use the Hugging Face model (export its weights) or AutoTP",
@@ -107,6 +114,14 @@ _WHY = {
     "state_dict": "SMP's state_dict arguments have no DeepSpeed equivalent: _smp_state_dict(engine) is the whole "
                   "model on every rank",
     "state": "SMP's run state has no DeepSpeed equivalent (replaced by None)",
+}
+_RESUME_ARGUMENTS = ("path", "tag", "partial", "strict", "load_optimizer")
+"""SMP's resume_from_checkpoint parameters in order (1.11+), as ``_smp_resume`` takes them."""
+_RESUME_UNPORTED = {
+    "translate_function": "resume_from_checkpoint translate_function: translate the state dict by hand (DeepSpeed "
+                          "loads its own checkpoint under the engine's names)",
+    "load_sharded_optimizer_state": "resume_from_checkpoint load_sharded_optimizer_state: DeepSpeed loads ZeRO's "
+                                    "optimizer partitions whole or not at all (load_optimizer)",
 }
 _CREATION_ARGUMENTS = {
     "dtype": "model_creation dtype: torch.set_default_dtype around the construction (the old one restored after)",
@@ -170,6 +185,18 @@ def _smp_allgather(obj, group=None):
     return gathered
 
 
+def _smp_resume(engine, path, tag=None, partial=True, strict=True, load_optimizer=True):
+    """SMP's resume_from_checkpoint on what this script saved with engine.save_checkpoint (tag None: the latest):
+    the weights, and the optimizer and LR scheduler unless load_optimizer is False or the checkpoint is a full one
+    (SMP's partial=False holds the weights only); returns the user_content saved with it (None when none was)."""
+    restore = partial and load_optimizer
+    found, client_state = engine.load_checkpoint(path, tag, load_module_strict=strict, load_optimizer_states=restore,
+                                                 load_lr_scheduler_states=restore, load_module_only=not partial)
+    if found is None:
+        raise FileNotFoundError(f"no DeepSpeed checkpoint {{tag or '(latest)'}} under {{path}}")
+    return (client_state or {{}}).get("user_content")
+
+
 def _smp_state_dict(engine):
     """SMP's model.state_dict(): the whole model under its own names on every rank, copied to the CPU. ZeRO-3's
     partitions and AutoTP's shards are gathered first (a collective: every rank calls it, as with SMP)."""
@@ -195,6 +222,7 @@ class _Porter(m.MatcherDecoratableTransformer):
         self.tensor_parallel = tensor_parallel
         self.pipeline_parallel = pipeline_parallel
         self.families: list[str] = []
+        self.checkpoints = False
         # the call of each `with smp.model_creation(...):` -> (None: the with becomes its body, or why not; the
         # family built in it)
         self._creations: dict[cst.Call, tuple[str | None, str | None]] = {}
@@ -296,8 +324,9 @@ class _Porter(m.MatcherDecoratableTransformer):
         if tag is not None:
             parts.append(f"tag={self.module.code_for_node(tag)}")
         if "user_content" in kwargs:
-            parts.append(f"client_state={self.module.code_for_node(kwargs['user_content'])}")
+            parts.append(f'client_state={{"user_content": {self.module.code_for_node(kwargs["user_content"])}}}')
         text = f"{self.module.code_for_node(model)}.save_checkpoint({', '.join(parts)})"
+        self.checkpoints = True
         self._record(original, text)
         return updated.with_changes(body=[cst.parse_statement(text).body[0]])  # type: ignore[attr-defined]
 
@@ -446,6 +475,11 @@ class _Porter(m.MatcherDecoratableTransformer):
             why = self._creations[original][0]
             if why is not None:
                 self._leave_for_person(original, name, why)
+        elif name == "resume_from_checkpoint":
+            unported = [_RESUME_UNPORTED[a.keyword.value] for a in updated.args
+                        if a.keyword is not None and a.keyword.value in _RESUME_UNPORTED]
+            engine = self.optimizer_name is not None
+            self._leave_for_person(original, name, "; ".join(unported) if engine and unported else None)
         elif name in ("dp_rank", "dp_size") and self.tensor_parallel > 1 and self.pipeline_parallel <= 1:
             self._leave_for_person(original, name, _WHY_TENSOR_PARALLEL[name])
         elif name not in ("DistributedModel", "DistributedOptimizer", "save_checkpoint", "step"):
@@ -462,6 +496,8 @@ class _Porter(m.MatcherDecoratableTransformer):
             return _DATA_PARALLEL[name]
         if self.tensor_parallel > 1 and name in _AUTOTP_MESH:
             return _AUTOTP_MESH[name]
+        if name == "resume_from_checkpoint":
+            return self._resume(call)
         if name == "allgather" and call.args:
             group = self._group(call.args[1].value) if len(call.args) > 1 else ""
             if group is None:
@@ -469,6 +505,27 @@ class _Porter(m.MatcherDecoratableTransformer):
             obj = self.module.code_for_node(call.args[0].value)
             return f'_smp_allgather({obj}, "{group}")' if group else f"_smp_allgather({obj})"
         return None
+
+    def _resume(self, call: cst.Call) -> str | None:
+        """``_smp_resume(engine, ...)`` for ``smp.resume_from_checkpoint(...)`` once the engine exists; None (the
+        call is marked) before it or with an argument DeepSpeed has no equivalent for."""
+        if self.optimizer_name is None or self.model_name is None:
+            return None
+        given: dict[str, str] = {}
+        for i, arg in enumerate(call.args):
+            if arg.star:
+                return None
+            key = arg.keyword.value if arg.keyword is not None else (
+                _RESUME_ARGUMENTS[i] if i < len(_RESUME_ARGUMENTS) else None)
+            key = "load_optimizer" if key == "load_optimizer_states" else key  # SMP 1.10's name
+            if key in _RESUME_UNPORTED or key not in _RESUME_ARGUMENTS:
+                return None
+            given[key] = self.module.code_for_node(arg.value)
+        if "path" not in given:
+            return None
+        rest = [f"{k}={given[k]}" for k in _RESUME_ARGUMENTS[1:] if k in given]
+        self.checkpoints = True
+        return f"_smp_resume({', '.join([self.model_name, given['path'], *rest])})"
 
     def _group(self, node: cst.BaseExpression) -> str | None:
         """``smp.RDP_GROUP`` / ``smp.CommGroup.RDP_GROUP`` -> ``_smp_allgather``'s group ("" for the world), None
@@ -561,7 +618,8 @@ def port_source(source: str, *, config_name: str, microbatches: int, tensor_para
     body = list(ported.body)
     at = _after_imports(body)
     ported = ported.with_changes(body=[*body[:at], *helpers, *body[at:]])
-    return PortResult(ported.code, porter.changes, ported=True, families=list(dict.fromkeys(porter.families)))
+    return PortResult(ported.code, porter.changes, ported=True, families=list(dict.fromkeys(porter.families)),
+                      checkpoints=porter.checkpoints)
 
 
 def _after_imports(body: list[Any]) -> int:
