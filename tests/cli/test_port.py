@@ -478,6 +478,98 @@ def test_the_resume_rewrite_restores_weights_moments_and_user_content_as_asked(t
                       "all_moment": True, "content": {"k": 1}, "full": {"k": 1}, "weights_only": {"k": 1}}
 
 
+LOAD_SCRIPT = '''import json
+import torch
+import smdistributed.modelparallel.torch as smp
+
+
+def main():
+    smp.init()
+    torch.manual_seed(0)
+    model = smp.DistributedModel(torch.nn.Linear(4, 2))
+    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(4, 2)  # the same weights, trained by plain PyTorch on the same (every rank's) data
+    adam = torch.optim.Adam(reference.parameters(), lr=0.1)
+
+    @smp.step
+    def train_step(model, x):
+        loss = model(x).square().sum()
+        model.backward(loss)
+        return loss
+
+    def train(i):
+        x = torch.arange(8.0).reshape(2, 4) / (i + 1)
+        optimizer.zero_grad()
+        train_step(model, x)
+        optimizer.step()
+        adam.zero_grad()
+        reference(x).square().sum().backward()
+        adam.step()
+
+    start = model.state_dict()
+    train(0)
+    train(1)
+    model.load_state_dict(start)  # back to the first weights; Adam's moments stay
+    reference.load_state_dict(start)
+    loaded = all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+    train(2)
+    final, want = model.state_dict(), reference.state_dict()
+    sent = smp.broadcast({"from": 0}, smp.CommGroup.WORLD) if smp.rank() == 0 else smp.recv_from(0, smp.RankType.WORLD_RANK)
+    print(json.dumps({"loaded": loaded, "diff": max((final[k] - want[k]).abs().max().item() for k in want),
+                      "sent": sent}))
+
+
+main()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [{"ddp": True, "shard_optimizer_state": True},
+                                    {"ddp": True, "sharded_data_parallel_degree": 2}], ids=["zero1", "sdp2"])
+def test_load_state_dict_and_broadcast_rewrites_on_two_ranks(tmp_path, params):
+    """``_smp_load_state_dict`` puts the whole model back on every rank, ZeRO-1's fp32 partitions and ZeRO-3's
+    parameter partitions included (the persistence threshold at 0: every parameter partitioned): the next Adam step
+    equals plain PyTorch's from the same weights and moments (without the optimizer's refresh, ZeRO-1 steps from the
+    weights it held before the load); ``_smp_broadcast`` / ``_smp_recv_from`` carry rank 0's object to rank 1."""
+    code, out = _port(tmp_path, LOAD_SCRIPT, params)
+    assert code == 0, (tmp_path / "report.txt").read_text()
+    config = _config(out)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    config["gradient_clipping"] = 0.0  # SMP's sdp clips at 1.0; the reference does not
+    out.with_suffix(".deepspeed.json").write_text(json.dumps(config), encoding="utf-8")
+    results = [json.loads(line) for line in _run_ported(tmp_path, out, launcher="torchrun").splitlines()
+               if line.startswith("{")]
+    assert len(results) == 2
+    for result in results:
+        assert result["loaded"] and result["diff"] <= 1e-6 and result["sent"] == {"from": 0}, result
+
+
+def test_nested_smp_names_send_and_load_state_dict_arguments_are_marked(tmp_path, capsys):
+    """``smp.nn.X(...)``, ``smp.amp.GradScaler()`` and a bare ``smp.nn.X`` are marked (nothing of SMP's is left
+    unmarked); with ``smp.send`` in the script ``recv_from`` could match a send or a broadcast, so both are marked;
+    ``load_state_dict`` with SMP's own arguments is marked."""
+    source = SCRIPT.replace("    sm.barrier()", "\n".join([
+        "    head = sm.nn.DistributedTransformerLMHead(num_layers=2)",
+        "    scaler = sm.amp.GradScaler()",
+        "    cls = sm.nn.DistributedTransformer",
+        "    sm.send(1, 1, sm.RankType.WORLD_RANK)",
+        "    x = sm.recv_from(0, sm.RankType.WORLD_RANK)",
+        "    net.load_state_dict({}, same_partition_load=True)",
+        "    sm.barrier()"]))
+    code, out = _port(tmp_path, source, {"ddp": True})
+    assert code == 1
+    text = out.read_text()
+    for line, why in [("head = sm.nn.DistributedTransformerLMHead(num_layers=2)", "smp.nn modules have no DeepSpeed"),
+                      ("scaler = sm.amp.GradScaler()", "smp.amp.GradScaler: DeepSpeed scales fp16 losses itself"),
+                      ("cls = sm.nn.DistributedTransformer", "sm.nn: no rewrite here"),
+                      ("sm.send(1, 1, sm.RankType.WORLD_RANK)", "sm.send has no rewrite here"),
+                      ("x = sm.recv_from(0, sm.RankType.WORLD_RANK)", "sm.recv_from has no rewrite here"),
+                      ("net.load_state_dict({}, same_partition_load=True)", "SMP's load_state_dict arguments")]:
+        assert f"    {line}  # smp2ds port: " in text and why in text.split(line)[1].splitlines()[0], line
+    assert "sm." not in "".join(line.split("#")[0] for line in text.splitlines() if "# smp2ds port:" not in line)
+
+
 class _FakeWorld:
     """torch.distributed for the port's helpers: rank ``me`` of ``size``, all_gather_object filling in each rank's
     own number."""

@@ -24,10 +24,10 @@ from smp2ds.translator.tools.native_deepspeed import AUTOTP_REFUSED, native_conf
 from . import EXIT_OK, UsageError, command_parser, positive_int
 
 EXIT_MANUAL = 1
-CHECKPOINT_NOTE = ("checkpoints: the ported script saves and resumes DeepSpeed's layout (DIR/TAG/ and DIR/latest), not "
-                   "SMP's; a checkpoint SMP (or smp2ds) wrote continues after `smp2ds checkpoint export CKPT --to "
-                   "deepspeed-universal OUT` (then the config's checkpoint.load_universal), or from its weights after "
-                   "`--to hf` (docs/leaving-smp.md)")
+CHECKPOINT_NOTE = ("checkpoints: the ported script saves and resumes DeepSpeed's layout (DIR/TAG/ and DIR/latest), "
+                   "not SMP's; a checkpoint SMP (or smp2ds) wrote continues after `smp2ds checkpoint export CKPT "
+                   "--to deepspeed-universal OUT` (then the config's checkpoint.load_universal), or from its weights "
+                   "after `--to hf` (docs/leaving-smp.md)")
 
 
 def port_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
