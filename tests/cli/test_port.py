@@ -236,6 +236,7 @@ def test_pipelines_and_unknown_calls_are_marked_and_listed(tmp_path, capsys):
     assert "sm.resume_from_checkpoint('/ckpt')  # smp2ds port: resume after deepspeed.initialize" in text
     report = (tmp_path / "report.txt").read_text()
     assert "## Left for a person (" in report and "set_partition" in report and "resume_from_checkpoint" in report
+    assert "([how](docs/leaving-smp.md#porting-the-script-smp2ds-port))" in report  # each item links its docs
 
 
 def test_exit_codes_nothing_to_port_a_parse_error_and_an_existing_output(tmp_path, capsys):

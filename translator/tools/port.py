@@ -64,6 +64,8 @@ from smp2ds.translator.tools.native_deepspeed import AUTOTP_REFUSED
 
 MARK = "# smp2ds port: "
 SMP_MODULE = "smdistributed.modelparallel.torch"
+DOCS_LINK = "docs/leaving-smp.md#porting-the-script-smp2ds-port"
+"""Where each item left for a person is explained: the report links it."""
 
 
 @dataclass
@@ -747,7 +749,8 @@ def report(result: PortResult, script: str, notes: list[str]) -> str:
     lines += [f"## Rewritten ({len(done)})", "", "| line | before | after |", "| --- | --- | --- |"]
     lines += [f"| {c.line} | `{_cell(c.before)}` | `{_cell(c.after)}` |" for c in done]
     lines += ["", f"## Left for a person ({len(result.manual)})", ""]
-    lines += [f"- line {c.line}: `{_cell(c.before)}`: {c.after}" for c in result.manual] or ["nothing"]
+    lines += [f"- line {c.line}: `{_cell(c.before)}`: {c.after} ([how]({DOCS_LINK}))" for c in result.manual] or [
+        "nothing"]
     lines += ["", "## What differs from SMP at this layout", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
