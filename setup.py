@@ -7,6 +7,7 @@ nothing generic lands in site-packages; setuptools finds every subpackage below 
 from setuptools import find_packages, setup
 
 PACKAGE_DIRS = {
+    "smp2ds.cli": "cli",
     "smp2ds.translator": "translator",
     "smp2ds.engine": "engine",
     "smp2ds.schemas": "schemas",

@@ -6,7 +6,7 @@ command alike), the wall time of:
 * ``python -c pass``                         (interpreter + site start-up, for reference)
 * ``python -c "import jsonschema"``          (the floor: the translator validates with jsonschema)
 * the translator's load/normalize/plan without the command line (what the CLI adds on top)
-* ``smp2ds convert CONFIG`` (console script)  and ``python -m smp2ds.translator.cli convert CONFIG``
+* ``smp2ds convert CONFIG`` (console script)  and ``python -m smp2ds.cli convert CONFIG``
 * ``python -c "import torch"``               (what the CLI must never pay)
 
 and prints medians with ratios to the jsonschema floor. Target (docs/internals.md#performance-targets): convert
@@ -48,7 +48,7 @@ TRANSLATOR_ONLY = (
 def console_script() -> list[str]:
     """The installed ``smp2ds`` script next to this interpreter (not a pyenv shim, which adds a bash hop)."""
     path = os.path.join(os.path.dirname(sys.executable), "smp2ds")
-    return [path] if os.access(path, os.X_OK) else [sys.executable, "-m", "smp2ds.translator.cli"]
+    return [path] if os.access(path, os.X_OK) else [sys.executable, "-m", "smp2ds.cli"]
 
 
 def commands(config: str) -> dict[str, list[str]]:
@@ -58,7 +58,7 @@ def commands(config: str) -> dict[str, list[str]]:
         "import jsonschema (floor)": [py, "-c", "import jsonschema"],
         "translator only (no CLI)": [py, "-c", TRANSLATOR_ONLY, config],
         "smp2ds convert": console_script() + ["convert", config],
-        "python -m ...cli convert": [py, "-m", "smp2ds.translator.cli", "convert", config],
+        "python -m ...cli convert": [py, "-m", "smp2ds.cli", "convert", config],
         "import torch": [py, "-c", "import torch"],
     }
 
@@ -136,7 +136,7 @@ def report(samples: dict[str, list[tuple[float, float]]]) -> float:
 def import_profile(config: str, top: int) -> None:
     """Print the slowest cumulative imports of one convert run (``python -X importtime``)."""
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "smp2ds.translator.cli", "convert", config],
+        [sys.executable, "-X", "importtime", "-m", "smp2ds.cli", "convert", config],
         env=ENV,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -51,7 +51,7 @@ def whole_search(folder: str, config_path: str) -> None:
     with open(smp, "w", encoding="utf-8") as fh:
         json.dump({"pipeline_parallel_degree": 4, "tensor_parallel_degree": 8, "microbatches": 8, "ddp": True,
                    "bf16": True}, fh)
-    argv = [sys.executable, "-m", "smp2ds.translator.cli", "explain", smp, "--model", config_path, "--fit", "80GiB",
+    argv = [sys.executable, "-m", "smp2ds.cli", "explain", smp, "--model", config_path, "--fit", "80GiB",
             "--world-size", "64", "--batch-size", "8", "--seq-len", "4096", "--format", "json"]
     start = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, check=True)

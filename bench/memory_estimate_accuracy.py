@@ -51,7 +51,7 @@ def fit_check(size: str) -> None:
     import contextlib
     import io
 
-    from smp2ds.translator.cli import main as smp2ds
+    from smp2ds.cli import main as smp2ds
 
     seed = os.path.join(os.path.dirname(HERE), "examples", "configs", "bert_pipeline_000.json")
     with tempfile.TemporaryDirectory() as tmp:

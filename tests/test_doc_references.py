@@ -116,7 +116,7 @@ def test_opening_example_runs(page, tmp_path):
     assert language == "bash" and commands
     for command in commands:
         argv = [str(ROOT / a) if a.startswith("examples/") else a for a in command.argv]
-        proc = subprocess.run([sys.executable, "-m", "smp2ds.translator.cli", *argv], cwd=tmp_path,
+        proc = subprocess.run([sys.executable, "-m", "smp2ds.cli", *argv], cwd=tmp_path,
                               capture_output=True, text=True, timeout=300)
         # doctor may find problems on the machine running the tests (exit 1); anything else is a failure.
         assert proc.returncode in ((0, 1) if argv[0] == "doctor" else (0,)), proc.stderr

@@ -1,9 +1,10 @@
-"""The import graph of ``smp2ds.translator`` and ``smp2ds.engine``, read from the files with ``ast``.
+"""The import graph of ``smp2ds.cli``, ``smp2ds.translator`` and ``smp2ds.engine``, read from the files with ``ast``.
 
 * no import cycle among those modules (imports inside functions count: a lazy import only
   hides a circle, it does not remove it);
 * the translator stays pure: it never imports ``smp2ds.engine``, torch or deepspeed;
-* neither package imports ``smdistributed`` (that is the drop-in package built on the engine).
+* the CLI is the top floor: neither the translator nor the engine imports it;
+* no package imports ``smdistributed`` (that is the drop-in package built on the engine).
 
 An edge goes to the module an import names: ``from pkg import name`` is an import of
 ``pkg.name`` when that is a module file, else of ``pkg``. Importing ``a.b.c`` also runs
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"smp2ds.translator": ROOT / "translator", "smp2ds.engine": ROOT / "engine"}
+PACKAGES = {"smp2ds.cli": ROOT / "cli", "smp2ds.translator": ROOT / "translator", "smp2ds.engine": ROOT / "engine"}
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Import:
 
 
 def module_files(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:
-    """Dotted module name -> file, for every .py file under translator/ and engine/."""
+    """Dotted module name -> file, for every .py file under cli/, translator/ and engine/."""
     files: dict[str, Path] = {}
     for package, folder in packages.items():
         for path in sorted(folder.rglob("*.py")):
@@ -267,7 +268,7 @@ def _cycle_report(cycles: list[list[str]], graph: dict[str, list[Import]], files
 def test_every_module_was_found(graph):
     files, _ = graph
     assert "smp2ds.translator.normalize" in files and "smp2ds.engine" in files
-    assert "smp2ds.translator.cli.launch" in files
+    assert "smp2ds.cli.launch" in files
 
 
 @pytest.mark.parametrize("package", sorted(PACKAGES))
@@ -282,22 +283,6 @@ def test_no_import_cycles(graph, package):
         pytest.fail(_cycle_report(cycles, imports, files), pytrace=False)
 
 
-# The one edge allowed: `smp2ds explain --model FILE` shows the pipeline split the engine would
-# choose, which needs the engine's splitter (and torch). The CLI is the edge of the translator, the
-# import sits inside the function that serves that opt-in flag, and
-# tests/cli/test_cli.py::test_cli_never_imports_torch_or_deepspeed checks that validate/convert/explain
-# without --model never import torch.
-# `smp2ds checkpoint` reads checkpoints (torch files) the same way: one import, inside the command function.
-_OPT_IN_ENGINE_IMPORTS = {("smp2ds.translator.cli.explain", "smp2ds.engine.pipeline.explain"),
-                          ("smp2ds.translator.cli.checkpoint", "smp2ds.engine.checkpoint_tools.commands"),
-                          ("smp2ds.translator.cli.checkpoint", "smp2ds.engine.exceptions"),
-                          # `explain --memory` / `--fit`, `validate --model`, `doctor --model`: the memory estimate
-                          # traces the model through the engine (cli/memory.py, inside the functions serving them)
-                          ("smp2ds.translator.cli.memory", "smp2ds.engine.memory"),
-                          ("smp2ds.translator.cli.memory", "smp2ds.engine.memory.layout"),
-                          ("smp2ds.translator.cli.memory", "smp2ds.engine.memory.estimate")}
-
-
 def test_translator_never_imports_engine_torch_or_deepspeed(graph):
     files, imports = graph
     bad = [
@@ -305,8 +290,7 @@ def test_translator_never_imports_engine_torch_or_deepspeed(graph):
         for module, found in imports.items()
         if module.startswith("smp2ds.translator")
         for i in found
-        if (i.source, i.target) not in _OPT_IN_ENGINE_IMPORTS
-        and (
+        if (
             i.target.split(".")[0] in ("torch", "deepspeed")
             or i.target == "smp2ds.engine"
             or i.target.startswith("smp2ds.engine.")
@@ -314,6 +298,17 @@ def test_translator_never_imports_engine_torch_or_deepspeed(graph):
     ]
     if bad:
         pytest.fail("the translator must stay pure:\n  " + "\n  ".join(bad), pytrace=False)
+
+
+def test_the_cli_is_the_top_floor(graph):
+    """The CLI imports the translator and (inside the functions serving ``--model``, ``--memory``, ``checkpoint``)
+    the engine; neither imports it back."""
+    files, imports = graph
+    bad = [f"{i.where(files)}: {i.source} imports {i.target}" for module, found in imports.items()
+           if not module.startswith("smp2ds.cli") for i in found
+           if i.target == "smp2ds.cli" or i.target.startswith("smp2ds.cli.")]
+    if bad:
+        pytest.fail("the CLI stands above the translator and the engine:\n  " + "\n  ".join(bad), pytrace=False)
 
 
 def test_nothing_imports_smdistributed(graph):
@@ -335,7 +330,7 @@ def test_imports_of_our_modules_resolve(graph):
         f"{i.where(files)}: {i.target}"
         for found in imports.values()
         for i in found
-        if i.target.startswith(("smp2ds.translator", "smp2ds.engine")) and i.target not in files
+        if i.target.startswith(("smp2ds.cli", "smp2ds.translator", "smp2ds.engine")) and i.target not in files
     ]
     if bad:
         pytest.fail("imports of modules that do not exist:\n  " + "\n  ".join(bad), pytrace=False)
@@ -437,8 +432,9 @@ def test_imports_only_go_down(graph):
 
 
 def uncommented_local_imports(files: dict[str, Path], root: Path = ROOT) -> list[str]:
-    """``file:line`` of every import of our own modules inside a function without a comment on its line, its
-    last line or the line above (the comment says what needs it there: start-up time or an optional part)."""
+    """``file:line`` of every import of our own modules (absolute, ``from smp2ds import x`` or relative) inside a
+    function without a comment on its line, its last line or the line above (the comment says what needs it there:
+    start-up time or an optional part)."""
     found = []
     for path in files.values():
         text = path.read_text()
@@ -450,7 +446,8 @@ def uncommented_local_imports(files: dict[str, Path], root: Path = ROOT) -> list
                 if not isinstance(node, (ast.Import, ast.ImportFrom)):
                     continue
                 names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-                if not any(name.startswith("smp2ds.") for name in names):
+                relative = isinstance(node, ast.ImportFrom) and node.level > 0  # a sibling module: ours too
+                if not relative and not any(name == "smp2ds" or name.startswith("smp2ds.") for name in names):
                     continue
                 near = [lines[node.lineno - 1], lines[(node.end_lineno or node.lineno) - 1], lines[node.lineno - 2]]
                 if "#" not in near[0] and "#" not in near[1] and not near[2].strip().startswith("#"):
@@ -462,8 +459,7 @@ def test_imports_inside_functions_say_why(graph):
     """In the engine and in the CLI (whose subcommand modules import the pure translator at their top: only the
     chosen subcommand's module is loaded, so a function-local import there needs a reason too)."""
     files, _ = graph
-    checked = {name: path for name, path in files.items()
-               if name.startswith(("smp2ds.engine", "smp2ds.translator.cli"))}
+    checked = {name: path for name, path in files.items() if name.startswith(("smp2ds.engine", "smp2ds.cli"))}
     assert uncommented_local_imports(checked) == [], (
         "import at the top of the module, or say in a comment why it must wait (start-up time, optional part)")
 
@@ -471,8 +467,9 @@ def test_imports_inside_functions_say_why(graph):
 def test_uncommented_local_imports_are_found(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from smp2ds.engine import core\n\n\ndef g():\n"
-                      "    from smp2ds.engine import mics  # start-up: imports DeepSpeed\n")
-    assert uncommented_local_imports({"m": module}, root=tmp_path) == ["m.py:2"]
+                      "    from smp2ds.engine import mics  # start-up: imports DeepSpeed\n\n\ndef h():\n"
+                      "    from . import report\n    from smp2ds import schemas\n    import json\n")
+    assert uncommented_local_imports({"m": module}, root=tmp_path) == ["m.py:10", "m.py:11", "m.py:2"]
 
 
 # ---- docs/architecture.md says what these tests check ----------------------------------------------------------
@@ -545,10 +542,9 @@ def test_process_groups_are_created_in_one_module():
 
 def test_the_pure_configuration_path_imports_no_tool_and_no_cli(graph):
     """``translator/`` (load, validate, normalize, plan and their parts) stands alone: the tools
-    (``translator/tools/``) and the CLI (``translator/cli/``) build on it, never the other way."""
+    (``translator/tools/``) build on it, and the CLI (``cli/``) on both, never the other way."""
     _, imports = graph
     upward = [f"{source} imports {i.target}" for source, listed in imports.items()
-              if source.startswith("smp2ds.translator")
-              and not source.startswith(("smp2ds.translator.tools", "smp2ds.translator.cli"))
-              for i in listed if i.target.startswith(("smp2ds.translator.tools", "smp2ds.translator.cli"))]
+              if source.startswith("smp2ds.translator") and not source.startswith("smp2ds.translator.tools")
+              for i in listed if i.target.startswith("smp2ds.translator.tools")]
     assert upward == []

@@ -135,7 +135,8 @@ def read_document(doc: Any) -> Document | None:
     if kind in ("parameters", "smp_v2"):
         return Document(root=doc, kind=kind, smp_version=2 if kind == "smp_v2" else 1, params=doc)
     if kind == "estimator":
-        dist, dist_path = doc.get("distribution"), ("distribution",)
+        dist_path: tuple[str, ...] = ("distribution",)
+        dist = doc.get("distribution")
         hyper, environment = doc.get("hyperparameters"), doc.get("environment")
         extra = {
             "instance_type": doc.get("instance_type"),

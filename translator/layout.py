@@ -75,6 +75,8 @@ def resolve_layout(config: SMPConfig, layout: Layout | None = None) -> ResolvedL
     layout = layout or Layout()
     gpus = gpus_for(config.instance_type)
     ppn = _positive_int(config.mpi.get("processes_per_host"))
+    per_node: int | None
+    per_node_src: str | None
     if layout.gpus_per_node:
         per_node, per_node_src = layout.gpus_per_node, f"gpus_per_node({layout.gpus_per_node})"
     elif ppn:

@@ -83,6 +83,6 @@ def engine_mics(
         # SMP (and DeepSpeed's MiCS) gathered hierarchically only when a shard group spans nodes.
         hierarchical_allgather=requested and span > 1,
         nodes_per_shard_group=span,
-        shard_groups=shard_groups if list_groups else None,
-        replica_groups=topo.replica_groups(shard) if list_groups else None,
+        shard_groups=tuple(tuple(g) for g in shard_groups) if list_groups else None,
+        replica_groups=tuple(tuple(g) for g in topo.replica_groups(shard)) if list_groups else None,
     )

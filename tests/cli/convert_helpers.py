@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 
 
 def convert(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 from smp2ds.translator.topology import Topology
 
 pytest.importorskip("accelerate.parallelism_config")  # accelerate >= 1.10

@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 
 
 def test_help_lists_the_actions_and_flags(capsys):
@@ -34,7 +34,7 @@ def test_usage_errors_exit_2():
 def test_parsing_and_help_never_import_torch():
     probe = (
         "import sys\n"
-        "from smp2ds.translator.cli import main\n"
+        "from smp2ds.cli import main\n"
         "assert main(['checkpoint', 'inspect', '--help']) == 0\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'transformers'))\n"
         "sys.exit(1 if heavy else 0)\n"

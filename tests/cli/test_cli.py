@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "configs"
@@ -329,7 +329,7 @@ def test_explain_json(capsys):
     ],
 )
 def test_params_spellings(text, expected):
-    from smp2ds.translator.cli.explain import parameter_count
+    from smp2ds.cli.explain import parameter_count
 
     assert parameter_count(text) == expected
 
@@ -580,7 +580,7 @@ def test_console_script_stdin_plan():
 
 def test_python_dash_m_entry_point():
     proc = subprocess.run(
-        [sys.executable, "-m", "smp2ds.translator.cli", "validate", str(DOCS_EXAMPLE)],
+        [sys.executable, "-m", "smp2ds.cli", "validate", str(DOCS_EXAMPLE)],
         check=False,
         capture_output=True,
         text=True,
@@ -592,7 +592,7 @@ def test_python_dash_m_entry_point():
 def test_cli_never_imports_torch_or_deepspeed():
     probe = (
         "import sys\n"
-        "from smp2ds.translator.cli import main\n"
+        "from smp2ds.cli import main\n"
         f"assert main(['explain', {str(EXAMPLES / 'gpt2_30b_sdp_002.json')!r}, '--params', '30e9']) == 0\n"
         f"assert main(['convert', {str(DOCS_EXAMPLE)!r}, '--to', 'plan']) == 0\n"
         "assert main(['launch', '--dry-run', '--nproc-per-node', '2', '--', 't.py']) == 0\n"

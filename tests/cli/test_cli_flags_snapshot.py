@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from smp2ds.translator.cli import COMMANDS, build_parser
+from smp2ds.cli import COMMANDS, build_parser
 
 SNAPSHOT: dict[str, dict[str, object]] = {
     "smp2ds": {"options": ["--version", "-h/--help"], "positionals": ["COMMAND"]},

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 from tests.cli.convert_helpers import convert
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,7 +250,7 @@ def test_valid_input_imports_neither_frameworks_nor_jsonschema(argv):
     """Valid input takes the fast schema check: no torch/deepspeed/transformers, no jsonschema."""
     probe = (
         "import sys\n"
-        "from smp2ds.translator.cli import main\n"
+        "from smp2ds.cli import main\n"
         f"code = main({argv!r})\n"
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'deepspeed', 'transformers', "
         "'accelerate', 'jsonschema', 'referencing', 'yaml', 'numpy'})\n"

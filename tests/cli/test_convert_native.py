@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 
 
 def _native(tmp_path: Path, params: dict, capsys: pytest.CaptureFixture, *flags: str) -> tuple[int, str, str]:

@@ -123,7 +123,7 @@ def test_timeline_respects_dependencies_and_has_the_textbook_bubble(pipeline, pp
 def explain(*argv: str, block_matplotlib: bool = False) -> subprocess.CompletedProcess:
     # sys.modules[name] = None is Python's documented way to make `import name` fail.
     code = ("import sys\n" + ("sys.modules['matplotlib'] = None\n" if block_matplotlib else "")
-            + "from smp2ds.translator.cli import main\nsys.exit(main(sys.argv[1:]))")
+            + "from smp2ds.cli import main\nsys.exit(main(sys.argv[1:]))")
     return subprocess.run([sys.executable, "-c", code, "explain", *argv], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
 

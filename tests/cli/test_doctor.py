@@ -29,7 +29,7 @@ def doctor(*argv: str, env: dict[str, str] | None = None, drop: tuple[str, ...] 
     base = {k: v for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                          "SM_HP_MP_PARAMETERS", "SMP2DS_NUM_GPUS", *drop)}
-    return subprocess.run([sys.executable, "-m", "smp2ds.translator.cli", "doctor", *argv],
+    return subprocess.run([sys.executable, "-m", "smp2ds.cli", "doctor", *argv],
                           env={**base, **(env or {})}, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
@@ -52,7 +52,7 @@ def test_versions_are_this_environments_and_json_agrees_with_exit_code():
 
 def test_doctor_imports_neither_torch_nor_deepspeed():
     # The speed promise: no torch/DeepSpeed import (seconds each) and no op build.
-    code = ("import sys; from smp2ds.translator.cli import main; rc = main(['doctor', '--format', 'json']); "
+    code = ("import sys; from smp2ds.cli import main; rc = main(['doctor', '--format', 'json']); "
             "print('HEAVY', sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert "HEAVY []" in out.stdout, out.stdout + out.stderr

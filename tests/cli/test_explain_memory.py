@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 
 GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_embd": 64, "n_head": 4,
         "vocab_size": 1000, "n_positions": 64}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS_EXAMPLE = ROOT / "examples" / "configs" / "docs_example_001.json"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 from smp2ds.translator.smp2ds_settings import compile_requested
 
 

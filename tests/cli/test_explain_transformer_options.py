@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import smdistributed.modelparallel.torch as smp
+from smp2ds.cli import main
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn import transformer_options as engine_options
 from smp2ds.translator import transformer_options as table
-from smp2ds.translator.cli import main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 SETTINGS = {"attention_in_fp32", "fp32_residual_addition", "query_key_layer_scaling", "fused_softmax",

@@ -20,7 +20,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 from tests.cli.convert_helpers import convert, write_stub
 
 ROOT = Path(__file__).resolve().parents[2]

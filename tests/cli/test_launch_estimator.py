@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 
 ESTIMATOR = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "gpt2_30b_sdp_002.json")
 

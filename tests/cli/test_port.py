@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_smp_mlp.py"

@@ -12,7 +12,7 @@ from jsonschema import Draft202012Validator
 from referencing import Registry
 
 from smp2ds import schemas
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT2_30B = ROOT / "examples" / "configs" / "gpt2_30b_sdp_002.json"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 from tests._dist import BASE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,7 +199,7 @@ def test_sbatch_script_trains_the_example_like_plain_torchrun(cluster, tmp_path,
     # smp2ds launch in the batch script and inside srun: nodes, rank and processes per node come from SLURM_*
     config = tmp_path / "smp.json"
     config.write_text(json.dumps(SMP), encoding="utf-8")
-    launch = (f"{sys.executable} -m smp2ds.translator.cli launch --config {config} --launcher torchrun --dry-run "
+    launch = (f"{sys.executable} -m smp2ds.cli launch --config {config} --launcher torchrun --dry-run "
               f"--format json -- {SCRIPT}")
     wrap = f"{launch} > batch.json && srun --ntasks=1 --ntasks-per-node=1 {launch} > step.json"
     proc = subprocess.run([_which("sbatch"), "--wait", "--ntasks-per-node=2", f"--output={tmp_path}/launch.out",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 from smp2ds.translator.tools.slurm_env import SlurmEnvError, expand_hostlist, launch_defaults
 from tests.cli.convert_helpers import convert, write_stub
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 
 
 def test_validate_without_a_world_size_checks_the_rest(tmp_path, capsys):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from smp2ds.translator.cli import main as smp2ds
+from smp2ds.cli import main as smp2ds
 from tests.docs.pages import DOCS, OWN_PAGES, ROOT, anchors, links, opening_example, smp2ds_commands, transcripts
 
 README = ROOT / "README.md"
@@ -57,7 +57,7 @@ def test_the_one_training_example_runs(tmp_path):
     out = tmp_path / "checkpoints"
     argv = [str(out) if word == CHECKPOINT_DIR else word for word in launches[0].argv]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "smp2ds.translator.cli", *argv], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "smp2ds.cli", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "step 1 loss" in done.stdout

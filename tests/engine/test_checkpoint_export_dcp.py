@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 from tests._dist import run_ranks
 from tests.engine import checkpoint_export_workers as xw
 from tests.engine.test_checkpoint_tools import _write_checkpoint

@@ -15,9 +15,9 @@ import pickle
 import pytest
 import torch
 
+from smp2ds.cli import main
 from smp2ds.engine.checkpoint_tools import safetensors_stream
 from smp2ds.engine.nn.parallel.shards import ShardSpec
-from smp2ds.translator.cli import main
 from tests.engine import tp_workers as tw
 
 

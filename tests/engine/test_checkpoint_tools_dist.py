@@ -20,7 +20,7 @@ import shutil
 import pytest
 import torch
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 from tests._dist import run_ranks
 from tests.engine import checkpoint_tools_workers as cw
 from tests.engine import tp_sdp_workers as sdpw

@@ -47,7 +47,7 @@ from typing import Any
 import pytest
 import torch
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 from tests._dist import run_ranks
 from tests.engine import checkpoint_export_workers as xw
 from tests.engine import checkpoint_tools_workers as cw

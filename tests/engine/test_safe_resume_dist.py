@@ -41,7 +41,7 @@ def test_resume_reads_what_scripts_save_and_refuses_code(tmp_path, shard_optimiz
 
 
 def test_offline_checkpoint_tools_refuse_code_too(tmp_path, capsys):
-    from smp2ds.translator.cli import main
+    from smp2ds.cli import main
 
     marker = tmp_path / "pwned"
     folder = tmp_path / "ckpt_partial"

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 from tests._dist import run_ranks
 from tests.engine import sdp_layout_workers as w
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from smp2ds.cli import main as smp2ds
 from smp2ds.engine.core.version_check import release, require_deepspeed
 from smp2ds.engine.exceptions import SMPUnsupportedError
-from smp2ds.translator.cli import main as smp2ds
 from tests.first_hour.bar import assert_names_cause_and_fix
 
 ROOT = Path(__file__).resolve().parents[2]

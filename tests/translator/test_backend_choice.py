@@ -11,8 +11,8 @@ import json
 
 import pytest
 
+from smp2ds.cli import main as cli_main
 from smp2ds.translator.backend_choice import BACKENDS
-from smp2ds.translator.cli import main as cli_main
 from smp2ds.translator.normalize import normalize
 from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.planner import plan

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from smp2ds.translator.cli import main
+from smp2ds.cli import main
 from smp2ds.translator.load import MAX_DEPTH, MAX_KEYS
 
 
@@ -93,7 +93,7 @@ def test_a_bad_gpu_count_knob_is_named(tmp_path: Path, capsys, monkeypatch):
 
 
 def test_the_text_report_shows_the_first_problems_and_counts_the_rest():
-    from smp2ds.translator.cli.report import MAX_ISSUES_SHOWN, render_issues_text
+    from smp2ds.cli.report import MAX_ISSUES_SHOWN, render_issues_text
     from smp2ds.translator.issues import Issue
 
     issues = [Issue(f"/k{i}", "must be an integer", given="x") for i in range(MAX_ISSUES_SHOWN + 37)]

@@ -33,8 +33,8 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: E402
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from smp2ds.cli import main  # noqa: E402
 from smp2ds.schemas import load_schema  # noqa: E402
-from smp2ds.translator.cli import main  # noqa: E402
 from smp2ds.translator.document import escape  # noqa: E402
 
 SCHEMA = load_schema("smp_v1")

@@ -33,7 +33,7 @@ def cluster_job(launcher: Mapping[str, Any], entry_point: str | None, paths: Map
     ``mapped_dirs`` (the local folders SageMaker's model, output data and checkpoint paths became),
     ``source_dir`` (the estimator's: SageMaker ran the entry point from it) and ``efa`` with ``left_out`` (the
     EFA variables dropped from ``env`` unless ``efa`` keeps them)."""
-    from smp2ds.translator.cli.launch_script import launch_spec
+    from smp2ds.translator.tools.launch_script import launch_spec
     from smp2ds.translator.tools.sagemaker_paths import map_paths
 
     spec = launch_spec(launcher, "torchrun", entry_point)

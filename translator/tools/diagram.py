@@ -1,6 +1,6 @@
 """What ``smp2ds explain --diagram`` and ``--schedule`` draw, as data (pure; no plotting library).
 
-Two pictures, each computed here and only rendered by ``smp2ds.translator.cli.diagram``:
+Two pictures, each computed here and only rendered by ``smp2ds.cli.diagram``:
 
 * `rank_grid`: the nodes of a layout, the ranks inside each node with their pipeline stage,
   tensor-parallel rank, reduced-data-parallel rank and sharded-data-parallel shard group, and

@@ -1,4 +1,4 @@
-"""The checks of ``smp2ds doctor``, as pure functions of the facts ``smp2ds.translator.cli.doctor`` reads.
+"""The checks of ``smp2ds doctor``, as pure functions of the facts ``smp2ds.cli.doctor`` reads.
 
 Each check returns `Finding` s: ``ok``, ``info``, ``warn`` (works, but worth knowing) or
 ``problem`` (the job will not run as asked; ``fix`` says what to do). Nothing here imports torch
@@ -208,7 +208,7 @@ def parse_mp_parameters(text: str) -> tuple[Any, list[Finding]]:
     """``SM_HP_MP_PARAMETERS``: SageMaker passes the estimator's SMP parameters as a JSON object."""
     try:
         value = json.loads(text)
-    except ValueError as err:
+    except json.JSONDecodeError as err:
         return None, [Finding("SM_HP_MP_PARAMETERS", "problem", f"not JSON ({err.msg} at character {err.pos})",
                               "set it to a JSON object of SMP parameters, e.g. '{\"partitions\": 2}', or unset it")]
     if not isinstance(value, dict):

@@ -300,7 +300,7 @@ class _Porter(m.MatcherDecoratableTransformer):
     def visit_Module(self, node: cst.Module) -> None:
         for statement in node.body:
             if m.matches(statement, m.SimpleStatementLine(body=[m.Import()])):
-                for alias in statement.body[0].names:  # type: ignore[attr-defined]
+                for alias in statement.body[0].names:  # type: ignore[attr-defined,index]
                     if node.code_for_node(alias.name) == SMP_MODULE:
                         self.alias = alias.asname.name.value if alias.asname else SMP_MODULE
         if self.alias is not None:  # recv_from matches a send or a broadcast: told apart by the script's calls
@@ -356,7 +356,8 @@ class _Porter(m.MatcherDecoratableTransformer):
                     args=[cst.Arg(cst.Name(self.model_name), keyword=cst.Name("model"), equal=first.equal,
                                   comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
                           first, cst.Arg(cst.Name("_DS_CONFIG"), keyword=cst.Name("config"), equal=first.equal)])
-                targets = [cst.AssignTarget(cst.parse_expression(f"{self.model_name}, {target.value}, _, _"))]
+                unpacked = cst.ensure_type(cst.parse_expression(f"{self.model_name}, {target.value}, _, _"), cst.Tuple)
+                targets = [cst.AssignTarget(unpacked)]
                 return updated.with_changes(body=[stmt.with_changes(targets=targets, value=new_call)])
         if isinstance(stmt, cst.Expr) and isinstance(stmt.value, cst.Call):
             func = stmt.value.func
@@ -385,7 +386,7 @@ class _Porter(m.MatcherDecoratableTransformer):
         text = f"{self.module.code_for_node(model)}.save_checkpoint({', '.join(parts)})"
         self.checkpoints = True
         self._record(original, text)
-        return updated.with_changes(body=[cst.parse_statement(text).body[0]])  # type: ignore[attr-defined]
+        return updated.with_changes(body=[cst.parse_statement(text).body[0]])  # type: ignore[attr-defined,index]
 
     def _mark_line(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine, why: str) -> Any:
         self._record(original, why, manual=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..tools.diagram import RankGrid, Timeline
+from smp2ds.translator.tools.diagram import RankGrid, Timeline
+
 from . import UsageError
 
 SUFFIXES = (".svg", ".png")

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .report import human_bytes, human_count, table
+
 ROWS: tuple[tuple[str, str], ...] = (
     ("zero3", "ZeRO-3 over all data-parallel ranks"),
     ("ddp", "plain data parallelism (DDP)"),
@@ -55,7 +57,6 @@ def scale_summary(estimate: Mapping[str, Any], topology: Mapping[str, Any]) -> d
 
 def render_scale_text(summary: Mapping[str, Any], source: str) -> str:
     """The comparison table for people."""
-    from .report import human_bytes, human_count, table
 
     head = (
         f"{source}: {human_count(summary['n_params'])} parameters"

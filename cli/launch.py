@@ -36,6 +36,8 @@ from smp2ds.translator.planner import plan
 from smp2ds.translator.tools.slurm_env import SlurmEnvError, in_allocation, launch_defaults
 
 from . import EXIT_OK, UsageError, command_parser, positive_int, write_stdout
+from .machine import detect_gpus, free_port, launcher_program
+from .report import dump_json, render_launch_text
 
 DEFAULT_MULTINODE_PORT = 29500
 
@@ -130,8 +132,6 @@ def launch_command(args: argparse.Namespace) -> int:
     spec = build_spec(args)
     if args.dry_run:
         if args.format == "json":
-            from .report import dump_json
-
             hostfile = {"path": spec.hostfile[0], "content": spec.hostfile[1]} if spec.hostfile else None
             write_stdout(
                 dump_json(
@@ -139,8 +139,6 @@ def launch_command(args: argparse.Namespace) -> int:
                 )
             )
         else:
-            from .report import render_launch_text
-
             write_stdout(render_launch_text(spec.command, spec.env, spec.notices))
         return EXIT_OK
     for notice in spec.notices:
@@ -181,8 +179,6 @@ def run(spec: LaunchSpec) -> int:
 
 def build_spec(args: argparse.Namespace) -> LaunchSpec:
     """Resolve the layout, plan the config for it and assemble command and environment."""
-
-    from .machine import detect_gpus, free_port, launcher_program
 
     doc = _document(args)
     slurm = _slurm(args)

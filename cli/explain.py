@@ -15,26 +15,32 @@ import os
 import re
 from typing import Any
 
+from smp2ds.translator import transformer_options
 from smp2ds.translator.load import load_document
 from smp2ds.translator.normalize import normalize
 from smp2ds.translator.planner import plan
+from smp2ds.translator.smp2ds_settings import given_settings
 from smp2ds.translator.tools import diagram as data
 from smp2ds.translator.tools.estimate import estimate
 from smp2ds.translator.tools.tp_traffic import tensor_parallel_traffic
 
-from .. import transformer_options
-from ..smp2ds_settings import given_settings
 from . import (
     EXIT_OK,
+    UsageError,
     add_file_arg,
     add_format_arg,
     add_layout_args,
     command_parser,
+    diagram,
     layout_from_args,
     memory,
     positive_int,
+    report,
+    scale,
+    source_name,
     write_stdout,
 )
+from .diagram import output_path
 
 _SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*$")
@@ -98,8 +104,6 @@ def explain_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 def explain_command(args: argparse.Namespace) -> int:
     """Run ``explain``; returns 0, or raises for the guard in ``cli.run_guarded`` to report."""
 
-    from . import report
-
     layout = layout_from_args(args)
     config = normalize(load_document(args.file), layout)
     result = plan(config, layout)
@@ -113,8 +117,6 @@ def explain_command(args: argparse.Namespace) -> int:
     own = given_settings(os.environ)  # SMP2DS_* variables that change the step: shown, never SMP keys
     _draw(args, result)
     if args.scale:
-        from . import scale, source_name
-
         summary = scale.scale_summary(estimate, result.topology)
         text = report.dump_json(summary) if args.format == "json" else scale.render_scale_text(
             summary, source_name(args.file)
@@ -157,7 +159,6 @@ def explain_command(args: argparse.Namespace) -> int:
 
 def _memory(args: argparse.Namespace, config: Any, result: Any, layout: Any) -> int:
     """``--memory`` / ``--fit``: the per-role peak, or the layouts that fit (see ``cli/memory.py``)."""
-    from . import report
 
     if args.fit:
         found = memory.fit_report(args, config, result, layout)
@@ -169,8 +170,6 @@ def _memory(args: argparse.Namespace, config: Any, result: Any, layout: Any) -> 
 
 
 def _add_drawing_args(parser: argparse.ArgumentParser) -> None:
-    from .diagram import output_path
-
     parser.add_argument(
         "--diagram",
         type=output_path,
@@ -191,7 +190,6 @@ def _draw(args: argparse.Namespace, result: Any) -> None:
     """Write the pictures asked for; the note goes to stderr so stdout stays the report (maybe JSON)."""
     import sys
 
-    from . import UsageError, diagram
 
     if args.diagram:
         try:
@@ -212,11 +210,8 @@ def _draw(args: argparse.Namespace, result: Any) -> None:
 DEFAULT_PARAMS = 1_000_000_000
 """Without ``--params`` the estimate is shown for 1e9 parameters (it scales linearly)."""
 
-
 def _estimate(result: Any, params: int | None, source: str | None = None) -> dict[str, Any]:
     """Call the translator's estimator (formulas of docs/internals.md#cost-model) and make it JSON."""
-
-    from . import report
 
     value = report.to_jsonable(estimate(result, params or DEFAULT_PARAMS))
     value["n_params_source"] = source or ("--params" if params else "default 1e9 (pass --params for your model)")
@@ -225,8 +220,6 @@ def _estimate(result: Any, params: int | None, source: str | None = None) -> dic
 
 def _model_split(path: str, config: Any) -> Any:
     """The pipeline split of the model in ``path`` under ``config`` (engine code: imports torch)."""
-
-    from . import UsageError
 
     model_config = load_document(path)
     if not isinstance(model_config, dict):
@@ -252,8 +245,6 @@ _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx")
 
 def _tp_traffic(args: argparse.Namespace, result: Any) -> dict[str, Any] | None:
     """Tensor-parallel all-reduce traffic for the --model config, when tensor parallelism is on."""
-
-    from . import UsageError
 
     tp = int(result.topology["tensor_parallel_degree"])
     if tp == 1:
@@ -298,16 +289,12 @@ def _tp_text(t: dict[str, Any]) -> str:
 
 
 def _transformer_text() -> str:
-    from . import report
-
     return ("distributed transformer settings (smp.model_creation / smp.tensor_parallelism keywords, "
             "smp.nn.DistributedTransformer* arguments):\n"
             + report.table(["setting", "fate", "what the engine does"], transformer_options.option_rows()))
 
 
 def _own_settings_text(rows: list[dict[str, str]]) -> str:
-    from . import report
-
     return ("smp2ds settings (environment variables, not SMP keys):\n"
             + report.table(["variable", "value", "fate", "what the engine does"],
                            [[r["name"], r["value"], r["fate"], r["effect"]] for r in rows]))

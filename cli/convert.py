@@ -28,6 +28,7 @@ from smp2ds.translator.planner import plan
 from smp2ds.translator.tools.cluster_job import cluster_job
 from smp2ds.translator.tools.kubernetes import check_job_name, pytorchjob, render_manifest
 from smp2ds.translator.tools.kubernetes import job_name as k8s_name
+from smp2ds.translator.tools.launch_script import launch_spec, render_launch_script
 from smp2ds.translator.tools.sagemaker_paths import map_paths
 from smp2ds.translator.tools.slurm import check_sbatch_options, job_name, render_sbatch, slurm_spec
 
@@ -39,9 +40,12 @@ from . import (
     add_layout_args,
     command_parser,
     layout_from_args,
+    report,
     source_name,
     write_stdout,
 )
+from .accelerate_config import deepspeed_json_path, fsdp2_sizes, render_accelerate_yaml, render_fsdp2_yaml
+from .launch import parse_channels
 
 TARGETS: tuple[str, ...] = (
     "deepspeed",
@@ -128,7 +132,6 @@ def convert_command(args: argparse.Namespace) -> int:
     if args.model_type and not args.native:
         raise UsageError("--model-type is for --native (the AutoTP family check)")
 
-    from . import report
 
     layout = layout_from_args(args)
     document = load_document(args.file)
@@ -174,13 +177,11 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
         raise UsageError("--to kubernetes needs --image IMAGE: the container image that holds the training script, "
                          "smp2ds and torch")
     if args.to == "slurm":
-
         try:
             args.sbatch = check_sbatch_options(args.sbatch)
         except ValueError as err:
             raise UsageError(str(err)) from None
     if args.job_name is not None and args.to == "kubernetes":
-
         try:
             check_job_name(args.job_name)
         except ValueError as err:
@@ -194,8 +195,6 @@ def render_cluster(result: Any, args: argparse.Namespace, entry_point: str | Non
     """``--to slurm``: the sbatch script (``--format json``: its parts); ``--to kubernetes``: the PyTorchJob, as
     YAML, or JSON with ``--format json``, ``-o FILE.json`` or without PyYAML."""
 
-    from . import report
-
     ddp_port = config.given.get("ddp_port")
     ddp_port = ddp_port if isinstance(ddp_port, int) and not isinstance(ddp_port, bool) else None
     job = cluster_job(result.launcher, entry_point, _local_paths(args), ddp_port,
@@ -203,7 +202,6 @@ def render_cluster(result: Any, args: argparse.Namespace, entry_point: str | Non
     job["instance_type"] = config.instance_type
     instance = f"{config.instance_count} x {config.instance_type}" if config.instance_type else None
     if args.to == "slurm":
-
         options = {"name": args.job_name or job_name(source_name(args.file)), "gpus": not args.cpu,
                    "extra": args.sbatch, "instance": instance}
         return report.dump_json(slurm_spec(job, **options)) if args.format == "json" else render_sbatch(job, **options)
@@ -219,8 +217,6 @@ def _outputs(args: argparse.Namespace) -> list[str]:
     if not args.output:
         return []
     if args.to == "accelerate":
-        from .accelerate_config import deepspeed_json_path
-
         return [args.output, deepspeed_json_path(args.output)]
     return [args.output]
 
@@ -238,9 +234,6 @@ def _entry_point(document: Any) -> str | None:
 
 
 def _write_accelerate(result: Any, args: argparse.Namespace) -> int:
-    from . import report
-    from .accelerate_config import deepspeed_json_path, fsdp2_sizes, render_accelerate_yaml, render_fsdp2_yaml
-
     _refuse_model_parallel_for_accelerate(result)
     if fsdp2_sizes(result) is not None:  # sharded data or tensor parallelism: FSDP2's mesh, no DeepSpeed JSON
         write_atomically(args.output, render_fsdp2_yaml(result, source_name(args.file)))
@@ -264,7 +257,6 @@ def _write_native(result: Any, args: argparse.Namespace) -> int:
     # CLI start-up: the native config's rules load only for --native
     from smp2ds.translator.tools.native_deepspeed import native_config
 
-    from . import report
 
     config, notes = native_config(result, args.model_type)
     text = report.dump_json({"deepspeed": config, "differences": notes} if args.format == "json" else config)
@@ -295,7 +287,6 @@ def _refuse_model_parallel_for_accelerate(result: Any) -> None:
 
 def _local_paths(args: argparse.Namespace) -> dict[str, Any]:
     """The folders SageMaker's paths map to (absolute), from --output-dir, --checkpoint-dir and --channel."""
-    from .launch import parse_channels
 
     return {"output_dir": args.output_dir and os.path.abspath(args.output_dir),
             "checkpoint_dir": args.checkpoint_dir and os.path.abspath(args.checkpoint_dir),
@@ -305,9 +296,6 @@ def _local_paths(args: argparse.Namespace) -> dict[str, Any]:
 def render_launch(result: Any, target: str, fmt: str, entry_point: str | None, config: Any,
                   paths: dict[str, Any] | None = None) -> str:
     """``--to torchrun|deepspeed-launcher|mpirun``: a shell script, or its parts as one JSON object."""
-
-    from . import report
-    from .launch_script import launch_spec, render_launch_script
 
     spec = launch_spec(result.launcher, target, entry_point)
     if paths and (paths["output_dir"] or paths["checkpoint_dir"] or paths["channels"]):
@@ -320,7 +308,6 @@ def render_launch(result: Any, target: str, fmt: str, entry_point: str | None, c
 
 def render(result: Any, target: str, fmt: str) -> str:
     """The text ``convert`` prints for ``--to target --format fmt``."""
-    from . import report
 
     if target == "plan":
         return report.dump_json(result.to_dict()) if fmt == "json" else report.render_plan_text(result)

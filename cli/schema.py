@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from . import EXIT_OK, UsageError, command_parser, write_stdout
+from smp2ds import schemas
+
+from . import EXIT_OK, UsageError, command_parser, report, write_stdout
 
 VSCODE_FILE_MATCH: dict[str, list[str]] = {
     "estimator": ["*.estimator.json", "**/estimators/*.json"],
@@ -19,7 +21,6 @@ VSCODE_FILE_MATCH: dict[str, list[str]] = {
     "smp_v2": ["*.smp2.json"],
 }
 """File name patterns the ``--vscode`` snippet maps to each schema (users adapt them)."""
-
 
 def schema_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """Register ``schema`` (or build a standalone parser when ``subparsers`` is None)."""
@@ -41,9 +42,6 @@ def schema_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 def schema_command(args: argparse.Namespace) -> int:
     """Run ``schema``; returns 0, or raises UsageError for an unknown schema name."""
-    from smp2ds import schemas
-
-    from . import report
 
     try:
         if args.print_name:
@@ -67,7 +65,6 @@ def vscode_settings() -> list[dict[str, Any]]:
     """VS Code ``json.schemas`` entries: file patterns -> the installed schema file (a file: URL)."""
     from pathlib import Path
 
-    from smp2ds import schemas
 
     return [
         {"fileMatch": patterns, "url": Path(schemas.schema_path(name)).as_uri()}

@@ -20,13 +20,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from smp2ds.translator.issues import SMPConfigError
 from smp2ds.translator.model_state_bytes import model_state_bytes_per_parameter
 
 from . import UsageError
+from .report import human_bytes, table
 
 SEQ_HYPERPARAMETERS = ("max_context_width", "seq_length", "max_seq_length", "seq_len", "block_size", "max_length")
 """Hyperparameter names SMP-era scripts use for the sequence length, looked up in this order."""
-
 
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
     """The flags of the memory estimate (``--model`` and ``--seq-len`` are explain's own)."""
@@ -151,7 +152,6 @@ def fit_warning(model: str, config: Any, result: Any, device: tuple[int, str], *
     batch, _ = _batch(result)
     estimate = _estimate(source, result, batch, seq, activation_checkpointing)
     verdict = _verdict(estimate, *device)
-    from .report import human_bytes
 
     worst = max(estimate.roles, key=lambda role: role.total)
     line = (f"peak {human_bytes(estimate.peak)} (stage {worst.stage}, batch {batch} x {seq} tokens) against "
@@ -175,10 +175,8 @@ _HELD = {"persistent": "", "step": " [update only]", "backward": " [forward and 
          "reduce": " [at the last reduce-scatter only]", "transient": ""}
 """When a formula part is held (``StatePart.phase``), for people."""
 
-
 def render_memory_text(report: Mapping[str, Any]) -> str:
     """The per-role table for people."""
-    from .report import human_bytes, table
 
     head = (f"peak memory of one training step: {report['model']}, micro-batch {report['micro_batch']} x "
             f"{report['seq_len']} tokens ({report['dtype']}; batch per rank {report['batch_per_rank']} from "
@@ -227,7 +225,6 @@ class Candidate:
     step: dict[str, Any]
     """``tools/step_time.py``'s estimate: seconds, terms, the deciding term."""
 
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -238,7 +235,6 @@ FIT_SHOWN = 5
 _SEARCHED = ("pipeline_parallel_degree", "partitions", "tensor_parallel_degree", "microbatches", "active_microbatches",
              "shard_optimizer_state", "sharded_data_parallel_degree")
 """Keys ``--fit`` chooses; the configuration's other keys are kept as given."""
-
 
 def _candidate_params(given: Mapping[str, Any], world: int, batch: int) -> Iterator[dict[str, Any]]:
     keep = {k: v for k, v in given.items() if k not in _SEARCHED}
@@ -354,7 +350,6 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
 def _native_exit(candidate_plan: Any, source: Any) -> dict[str, Any]:
     """For users leaving SMP: the native DeepSpeed config of a proposed layout (``convert --to deepspeed --native``)
     and its notes, or why a plain DeepSpeed script cannot run it (pipelines, a family AutoTP refuses)."""
-    from smp2ds.translator.issues import SMPConfigError
     from smp2ds.translator.tools.native_deepspeed import native_config  # serves --fit alone
 
     model_type = (source.hf_config or {}).get("model_type")
@@ -447,7 +442,6 @@ def _tensor_parallel_bytes(model_config: Mapping[str, Any], plan: Any, batch: in
 
 def render_fit_text(report: Mapping[str, Any], limit: int = FIT_SHOWN) -> str:
     """The best layouts, fastest first, with the SMP parameters to paste."""
-    from .report import human_bytes
 
     shown = min(limit, len(report["fitting"]))
     head = (f"layouts of {report['world_size']} ranks that fit {report['device']} (usable "

@@ -13,6 +13,7 @@ import ast
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
@@ -24,9 +25,11 @@ from smp2ds.translator.load import load_document
 from smp2ds.translator.normalize import normalize
 from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.planner import plan
+from smp2ds.translator.tools import doctor as rules
 
-from ..tools import doctor as rules
-from . import add_format_arg, command_parser, positive_int, write_stdout
+from . import UsageError, add_format_arg, command_parser, positive_int, report, write_stdout
+from .machine import detect_gpu_memory, detect_gpus
+from .memory import fit_warning
 
 _NCCL_DISTS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
 
@@ -58,7 +61,6 @@ def doctor_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 def doctor_command(args: argparse.Namespace) -> int:
     """Run every check; print the report; 0 when no problem was found, else 1."""
-    from .machine import detect_gpus
 
     env = dict(os.environ)
     machine = rules.Machine(gpus=detect_gpus(), torch_cuda=_torch_cuda(), nccl=_nccl(), cpus=os.cpu_count() or 1,
@@ -72,8 +74,6 @@ def doctor_command(args: argparse.Namespace) -> int:
     findings += config_findings
     code = rules.exit_code(findings)
     if args.format == "json":
-        from . import report
-
         write_stdout(report.dump_json({"ok": code == 0, "findings": [f.to_dict() for f in findings]}))
     else:
         write_stdout(render_text(findings))
@@ -140,7 +140,7 @@ def _ds_ops(env: dict[str, str]) -> dict[str, bool]:
 
 
 def _config(args: argparse.Namespace, env: dict[str, str],
-            machine: rules.Machine) -> tuple[list[rules.Finding], dict[str, Any] | None]:
+            machine: rules.Machine) -> tuple[list[rules.Finding], Mapping[str, Any] | None]:
     """Findings about ``--config`` and ``SM_HP_MP_PARAMETERS``, and the planned DeepSpeed config."""
 
     findings: list[rules.Finding] = []
@@ -187,10 +187,6 @@ def _config(args: argparse.Namespace, env: dict[str, str],
 
 def _memory_fit(args: argparse.Namespace, config: Any, result: Any) -> rules.Finding:
     """``--model``: one training step of the model on this machine's first GPU (explain --memory's estimate)."""
-
-    from . import UsageError
-    from .machine import detect_gpu_memory
-    from .memory import fit_warning
 
     device = detect_gpu_memory()
     if device is None:

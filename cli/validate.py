@@ -20,15 +20,19 @@ from smp2ds.translator.validate import validate
 from . import (
     EXIT_INVALID,
     EXIT_OK,
+    UsageError,
     add_file_arg,
     add_format_arg,
     add_layout_args,
     command_parser,
     layout_from_args,
     positive_int,
+    report,
     source_name,
     write_stdout,
 )
+from .machine import detect_gpu_memory
+from .memory import device_from_flag, fit_warning
 
 
 def validate_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
@@ -52,8 +56,6 @@ def validate_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 def validate_command(args: argparse.Namespace) -> int:
     """Run ``validate``; returns 0 (valid) or 1 (invalid)."""
-
-    from . import report
 
     source = source_name(args.file)
     layout = layout_from_args(args)
@@ -110,9 +112,6 @@ def _planned(doc: Any, layout: Any, args: argparse.Namespace) -> tuple[list[Any]
 
 def _memory(args: argparse.Namespace, config: Any, result: Any) -> tuple[bool, str]:
     """``--model``: the largest role's peak against ``--gpu-memory`` or the first visible GPU."""
-    from . import UsageError
-    from .machine import detect_gpu_memory
-    from .memory import device_from_flag, fit_warning
 
     device = device_from_flag(args.gpu_memory) if args.gpu_memory else detect_gpu_memory()
     if device is None:

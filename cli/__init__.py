@@ -160,7 +160,7 @@ class _VersionAction(argparse.Action):
         parser.exit(0, f"smp2ds {text}\n")
 
 
-def _chosen_command(argv: list[str]) -> str | None:
+def _chosen_command(argv: Sequence[str]) -> str | None:
     """The subcommand named on the command line (the first word that is not an option)."""
     word = next((a for a in argv if not a.startswith("-")), None)
     return word if word in COMMANDS else None

@@ -1,7 +1,0 @@
-"""``python -m smp2ds.translator.cli``: the same as the ``smp2ds`` console script."""
-
-import sys
-
-from . import main
-
-sys.exit(main())
