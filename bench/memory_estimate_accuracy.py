@@ -111,7 +111,10 @@ def main() -> None:
                       f"measured {m['measured'] / 2**20:8.1f} MiB  ratio {ratio:5.3f}  "
                       f"(peak RSS {m['rss'] / 2**20:7.1f} MiB)" + (
                           f"  allocator as recorded {m['recorded'] / 2**20:8.1f} MiB, {m['unseen_frees']} free(s) "
-                          "on unrecorded threads" if "recorded" in m else ""), flush=True)
+                          "on unrecorded threads" if "recorded" in m else "") + (
+                          "  freed on other threads " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in
+                                                                  sorted(m["freed_elsewhere"].items()))
+                          if m.get("freed_elsewhere") else ""), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(table, fh, indent=1)

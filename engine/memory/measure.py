@@ -35,14 +35,22 @@ class LiveTensorBytes(TorchDispatchMode):
         self.peak = 0
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
+        self._home = threading.get_ident()
+        self.freed_elsewhere: dict[str, int] = {}
+        """Bytes freed on threads other than the one that made the counter, by thread name (gloo's workers are
+        ``Dummy-N``): frees a per-thread allocator count (PyTorch's profiler) does not see."""
 
     def _on_free(self, key: int, _ref: weakref.ref) -> None:
         self._freed(key)
 
     def _freed(self, key: int) -> None:
         with self._lock:
-            self.live -= self._sizes.pop(key, 0)
+            size = self._sizes.pop(key, 0)
+            self.live -= size
             self._refs.pop(key, None)
+            if size and threading.get_ident() != self._home:
+                name = threading.current_thread().name
+                self.freed_elsewhere[name] = self.freed_elsewhere.get(name, 0) + size
 
     def _count(self, tensor: torch.Tensor) -> None:
         if tensor.device.type == "meta":
@@ -94,21 +102,30 @@ class AllocatorPeak:
 
     def __exit__(self, *exc: Any) -> None:
         self._profile.__exit__(*exc)
-        events = sorted(_allocation_events(self._profile.profiler.kineto_results.experimental_event_tree()))
+        events = _allocation_events(self._profile.profiler.kineto_results.experimental_event_tree())
         self._profile = None
-        base = events[0][2] - events[0][1] if events else 0  # the total before the block's first event
-        live: dict[int, int] = {}
-        unseen = 0  # bytes freed on threads the profiler did not record, found by their address's reuse
-        for _, size, total, ptr in events:
-            self.peak = max(self.peak, total - base)
-            if size > 0:
-                if ptr in live:
-                    unseen += live[ptr]
-                    self.unseen_frees += 1
-                live[ptr] = size
-            else:
-                live.pop(ptr, None)
-            self.peak_corrected = max(self.peak_corrected, total - base - unseen)
+        self.peak, self.peak_corrected, self.unseen_frees = allocator_peaks(events)
+
+
+def allocator_peaks(events: list[tuple[int, int, int, int]]) -> tuple[int, int, int]:
+    """(peak as recorded, peak corrected for unseen frees, their count) of allocation events (time, bytes, the
+    allocator's total after it, address): see `AllocatorPeak`."""
+    events = sorted(events)
+    base = events[0][2] - events[0][1] if events else 0  # the total before the first event
+    peak = corrected = count = 0
+    live: dict[int, int] = {}
+    unseen = 0  # bytes freed on threads the profiler did not record, found by their address's reuse
+    for _, size, total, ptr in events:
+        peak = max(peak, total - base)
+        if size > 0:
+            if ptr in live:
+                unseen += live[ptr]
+                count += 1
+            live[ptr] = size
+        else:
+            live.pop(ptr, None)
+        corrected = max(corrected, total - base - unseen)
+    return peak, corrected, count
 
 
 def _allocation_events(roots: list) -> list[tuple[int, int, int, int]]:

@@ -67,7 +67,8 @@ def measured_peak(family: str, layout: str | dict[str, Any], ckpt: bool, config_
                   batch: int = BATCH, seq: int = SEQ, counter: str = "live") -> dict[str, Any]:
     """This rank's measured peak for the row (run on every rank of a 2-rank world); ``layout`` names a row of
     `LAYOUTS` or is the SMP parameters themselves; ``counter`` is ``live`` (`LiveTensorBytes`) or ``allocator``
-    (`AllocatorPeak`: its ``peak`` as measured, and ``recorded`` / ``unseen_frees`` in the result)."""
+    (`AllocatorPeak`: its ``peak`` as measured, and ``recorded`` / ``unseen_frees`` in the result; with ``live`` the
+    result's ``freed_elsewhere`` is the bytes freed on other threads, by thread)."""
     import torch
     import transformers
 
@@ -106,7 +107,8 @@ def measured_peak(family: str, layout: str | dict[str, Any], ckpt: bool, config_
             optimizer.zero_grad(set_to_none=True)
             train_step(model, ids)
             optimizer.step()
-    extra = {"recorded": count.peak - off_stage, "unseen_frees": count.unseen_frees} if counter == "allocator" else {}
+    extra = ({"recorded": count.peak - off_stage, "unseen_frees": count.unseen_frees} if counter == "allocator"
+             else {"freed_elsewhere": count.freed_elsewhere})
     peak = count.peak_corrected if counter == "allocator" else count.peak
     return {"rank": smp.rank(), "pp_rank": smp.pp_rank(), "tp_rank": smp.tp_rank(),
             "measured": peak - off_stage, "off_stage": off_stage, **extra,
