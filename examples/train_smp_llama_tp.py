@@ -10,13 +10,15 @@ model.backward); the SMP configuration comes from the launcher through SM_HP_MP_
 The model is built from a config (no download) and the tokens are synthetic and deterministic. Every rank of a
 tensor-parallel group reads the same rows (the batch is chosen by rdp_rank, the data-parallel rank without
 tensor parallelism), which is also what DeepSpeed's AutoTP asks of a ported script. Rank 0 prints the loss per
-step and a digest of the full (gathered) weights, in the format of examples/train_smp_mlp.py.
+step, the last loss averaged over the data-parallel replicas with torch.distributed on SMP's process groups, and a
+digest of the full (gathered) weights, in the format of examples/train_smp_mlp.py.
 """
 
 import argparse
 import hashlib
 
 import torch
+import torch.distributed
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import smdistributed.modelparallel.torch as smp
@@ -78,6 +80,14 @@ def main():
         if smp.rank() == 0 and not args.quiet:
             print(f"step {step} loss {sum(losses) / len(losses):.6f}")
 
+    # the replicas' mean of the last loss over SMP's reduced-data-parallel group; the tensor-parallel group's ranks
+    # counted over its own group
+    last = loss.detach().clone()
+    torch.distributed.all_reduce(last, group=smp.get_rdp_process_group())
+    ranks = torch.ones(())
+    torch.distributed.all_reduce(ranks, group=smp.get_tp_process_group())
+    if smp.rank() == 0 and not args.quiet:
+        print(f"replicas' last loss {last.item() / smp.rdp_size():.6f} over {int(ranks.item())} tensor-parallel ranks")
     state = model.state_dict()  # the full model on every rank: tensor-parallel shards gathered
     if smp.rank() == 0:
         flat = torch.cat([state[k].float().reshape(-1) for k in sorted(state)])

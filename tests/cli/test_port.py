@@ -136,6 +136,12 @@ def _losses(output: str) -> list[float]:
     return [float(line.split()[-1]) for line in _lines(output) if line.startswith("step ")]
 
 
+def _replicas(output: str) -> tuple[float, int]:
+    """(the replicas' mean last loss, the tensor-parallel ranks counted) the LLaMA example prints."""
+    words = next(line for line in output.splitlines() if line.startswith("replicas' last loss")).split()
+    return float(words[3]), int(words[5])
+
+
 @pytest.mark.slow
 def test_the_ported_llama_example_trains_like_the_smp_script_under_autotp(tmp_path):
     """tp 2 at world 2 (``{"ddp": true, "tensor_parallel_degree": 2}``, no prescaled_batch): the tiny LLaMA example
@@ -163,6 +169,11 @@ def test_the_ported_llama_example_trains_like_the_smp_script_under_autotp(tmp_pa
     smp = _run_smp(tmp_path, LLAMA_TP, params, "--steps", "4", "--dump-weights", str(tmp_path / "smp.pt"))
     assert len(_losses(smp)) == 4
     assert _losses(ported) == pytest.approx(_losses(smp), rel=1e-5, abs=1e-6)
+    # SMP's process groups: the rdp group (one rank here) -> AutoTP's data-parallel group, the tp group (both) ->
+    # its tensor-parallel group; the world in place of either would double the loss or keep the count
+    replicas = [_replicas(smp), _replicas(ported)]
+    assert replicas[0][1] == replicas[1][1] == 2 and replicas[1][0] == pytest.approx(replicas[0][0], rel=1e-5)
+    assert replicas[0][0] == pytest.approx(_losses(smp)[-1], rel=1e-5)  # one replica: its own last loss
     theirs, ours = torch.load(tmp_path / "smp.pt"), torch.load(tmp_path / "ported.pt")
     assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
     assert ours["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)  # whole, not AutoTP's (32, 64) shard
@@ -544,6 +555,31 @@ def test_load_state_dict_and_broadcast_rewrites_on_two_ranks(tmp_path, params):
     assert len(results) == 2
     for result in results:
         assert result["loaded"] and result["diff"] <= 1e-6 and result["sent"] == {"from": 0}, result
+
+
+def test_process_group_rules_golden(tmp_path, capsys):
+    """Without tensor parallelism SMP's world, data-parallel and reduced-data-parallel groups are every rank; with it
+    the world and dp groups still are (dp counts the tensor-parallel ranks), rdp and tp are AutoTP's groups once
+    deepspeed.initialize has built them; a group called before that, or a pipeline's, is marked."""
+    calls = "\n".join(f"    g{i} = sm.{name}()" for i, name in enumerate(
+        ["get_world_process_group", "get_dp_process_group", "get_rdp_process_group", "get_tp_process_group"]))
+    source = SCRIPT.replace("    sm.barrier()", calls + "\n    sm.barrier()")
+    for sub in "abc":
+        (tmp_path / sub).mkdir()
+    _, out = _port(tmp_path / "a", source, {"ddp": True})
+    text = out.read_text()
+    assert "    g0 = dist.group.WORLD\n    g1 = dist.group.WORLD\n    g2 = dist.group.WORLD\n" in text
+    assert "    g3 = sm.get_tp_process_group()  # smp2ds port: " in text  # a group of one rank: by hand
+    _, out = _port(tmp_path / "b", source.replace("    net = sm.DistributedModel(build())",
+                                            "    early = sm.get_rdp_process_group()\n    net = sm.DistributedModel(build())"),
+                   {"ddp": True, "tensor_parallel_degree": 2})
+    text = out.read_text()
+    assert ("    g0 = dist.group.WORLD\n    g1 = dist.group.WORLD\n"
+            "    g2 = deepspeed.utils.groups.get_data_parallel_group()\n"
+            "    g3 = deepspeed.utils.groups.get_tensor_model_parallel_group()\n") in text
+    assert "    early = sm.get_rdp_process_group()  # smp2ds port: " in text
+    _, out = _port(tmp_path / "c", source, {"ddp": True, "pipeline_parallel_degree": 2, "partitions": 2})
+    assert "    g0 = sm.get_world_process_group()  # smp2ds port: " in out.read_text()
 
 
 def test_nested_smp_names_send_and_load_state_dict_arguments_are_marked(tmp_path, capsys):

@@ -43,6 +43,10 @@ Rewrites (``smp`` is whatever name the script imported ``smdistributed.modelpara
   ``recv_from`` could match either, and all three are marked);
 * ``M.load_state_dict(sd[, strict])`` -> ``_smp_load_state_dict(M, ...)``: the whole model on every rank loaded into
   ZeRO-3's partitions and AutoTP's shards, the optimizer's fp32 copies refreshed;
+* ``smp.get_world_process_group() / get_dp_process_group()`` (and ``get_rdp_process_group()`` without tensor
+  parallelism) -> ``dist.group.WORLD``; with tensor parallelism, after ``deepspeed.initialize``,
+  ``get_rdp_process_group() / get_tp_process_group() / get_mp_process_group()`` -> DeepSpeed's AutoTP groups
+  (``deepspeed.utils.groups``); the rest (a pipeline's, a tensor-parallel group of one) is marked;
 * ``smp.state`` -> ``None`` (SMP's and smp2ds's run state: DeepSpeed has none), marked.
 
 Everything else under ``smp.`` is marked for a person: pipelines (DeepSpeed's ``PipelineModule`` needs a layer
@@ -104,6 +108,14 @@ _DATA_PARALLEL = {"dp_rank": "dist.get_rank()", "rdp_rank": "dist.get_rank()", "
 _AUTOTP_MESH = {"rdp_rank": "(dist.get_rank() // _TENSOR_PARALLEL)",
                 "rdp_size": "(dist.get_world_size() // _TENSOR_PARALLEL)",
                 "tp_rank": "(dist.get_rank() % _TENSOR_PARALLEL)", "tp_size": "_TENSOR_PARALLEL"}
+_EVERY_RANK_GROUPS = {name: "dist.group.WORLD" for name in ("get_world_process_group", "get_dp_process_group")}
+"""SMP's process groups that are every rank without a pipeline (its data-parallel group counts the tensor-parallel
+ranks)."""
+_AUTOTP_GROUPS = {"get_rdp_process_group": "deepspeed.utils.groups.get_data_parallel_group()",
+                  "get_tp_process_group": "deepspeed.utils.groups.get_tensor_model_parallel_group()",
+                  "get_mp_process_group": "deepspeed.utils.groups.get_tensor_model_parallel_group()"}
+"""SMP's process groups with tensor parallelism and no pipeline -> the groups of DeepSpeed's AutoTP mesh (built in
+``deepspeed.initialize``)."""
 _GROUPS = {"WORLD": None, "DP_GROUP": None, "RDP_GROUP": "rdp", "TP_GROUP": "tp", "MP_GROUP": "tp"}
 """SMP's groups without a pipeline -> ``_smp_allgather``'s (None: the world)."""
 _HF_CLASS = re.compile(r"([A-Z][A-Za-z0-9]*?)(?:With[A-Z]|LMHead|DoubleHeads|For[A-Z]|Model$)")
@@ -572,6 +584,10 @@ class _Porter(m.MatcherDecoratableTransformer):
             return _DATA_PARALLEL[name]
         if self.tensor_parallel > 1 and name in _AUTOTP_MESH:
             return _AUTOTP_MESH[name]
+        if name in _EVERY_RANK_GROUPS or (self.tensor_parallel <= 1 and name == "get_rdp_process_group"):
+            return "dist.group.WORLD"
+        if self.tensor_parallel > 1 and name in _AUTOTP_GROUPS and self.optimizer_name is not None:
+            return _AUTOTP_GROUPS[name]  # once deepspeed.initialize has built them
         if name == "resume_from_checkpoint":
             return self._resume(call)
         if name in ("broadcast", "recv_from") and len(call.args) == 2 and not self.sends:
