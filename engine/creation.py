@@ -22,7 +22,6 @@ from smp2ds.engine.core.deepspeed_config import engine_config
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import (
     DistributedModelWrappedError,
-    InvalidPartitionIDError,
     SMPUnsupportedError,
     StepFunctionCalledError,
 )
@@ -30,24 +29,16 @@ from smp2ds.engine.nn.parallel import marks
 
 
 def _manual() -> Any:
-    """The pipeline package's partition registry (None when the package is absent)."""
-    try:
-        from smp2ds.engine.pipeline import manual  # start-up: the pipeline package imports DeepSpeed's pipeline
-    except ImportError:
-        return None
+    """The pipeline package's partition registry."""
+    from smp2ds.engine.pipeline import manual  # start-up: the pipeline package imports DeepSpeed's pipeline
+
     return manual
 
 
 @contextlib.contextmanager
 def partition(index: int) -> Iterator[None]:
     """Modules created inside go to pipeline partition ``index`` (innermost context wins)."""
-    manual = _manual()
-    if manual is None:
-        if state.initialized and state.plan.engine_settings.pipeline.enabled:
-            raise InvalidPartitionIDError("smp.partition needs the pipeline engine (smp2ds.engine.pipeline)")
-        yield
-        return
-    with manual.partition(index):
+    with _manual().partition(index):
         yield
 
 
@@ -55,9 +46,7 @@ def set_partition(module: torch.nn.Module, partition: int, recurse: bool = True)
     """Assign an existing module (and its children) to a pipeline partition before the first step."""
     if state.step_calls:
         raise StepFunctionCalledError("smp.set_partition must be called before the first smp.step call")
-    manual = _manual()
-    if manual is not None:
-        manual.set_partition(module, partition, recurse=recurse)
+    _manual().set_partition(module, partition, recurse=recurse)
 
 
 @contextlib.contextmanager

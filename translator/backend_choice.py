@@ -1,8 +1,8 @@
 """Which engine backend runs a configuration: decided once, here, by the planner.
 
 The Plan carries the choice (``/engine/backend``), ``smp2ds explain`` shows it, and the engine's
-backend registry builds exactly the backend it names, so what ``explain`` says and what runs
-cannot disagree. Pure: names only, the engine maps each to its class.
+composition root (``engine/api/backend_factory.py``, ``make_backend``) builds exactly the backend it names, so
+what ``explain`` says and what runs cannot disagree. Pure: names only, the engine maps each to its class.
 """
 
 from __future__ import annotations
@@ -24,25 +24,11 @@ BACKENDS: tuple[BackendName, ...] = (
 
 @dataclass(frozen=True, kw_only=True)
 class BackendChoice:
-    """The backend for one Plan and why (one sentence for people)."""
+    """The backend for one Plan and why (one sentence for people). A name only: the parallelisms it composes are the
+    Plan's own sections (``EngineSettings.pipeline`` / ``tensor_parallel`` / ``mics``), which the engine reads."""
 
     name: BackendName
     reason: str
-
-    @property
-    def pipeline(self) -> bool:
-        """DeepSpeed's pipeline engine runs the model (tensor parallelism inside its stages, if any)."""
-        return self.name == "pipeline"
-
-    @property
-    def tensor_parallel(self) -> bool:
-        """The model is sharded over tensor-parallel groups before a data-parallel engine runs it."""
-        return self.name in ("tensor-parallel", "tensor-parallel+mics")
-
-    @property
-    def mics(self) -> bool:
-        """Parameters live in MiCS shard groups (ZeRO-3 inside them), not replicated."""
-        return self.name in ("mics", "tensor-parallel+mics")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

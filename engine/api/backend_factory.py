@@ -1,7 +1,7 @@
-"""The one door from ``core`` down to the parallelism packages (``tests/test_import_graph.py``
-enforces it): the backend for a ``DistributedModel``, the one the Plan names (the planner chooses,
-:mod:`smp2ds.translator.backend_choice`, so ``smp2ds explain`` shows what runs), and the few things
-a parallelism package owns that core needs before or besides it.
+"""The composition root of the API floor (``tests/test_import_graph.py``: the parallelism packages never import
+each other, only ``api/`` imports them all): the backend for a ``DistributedModel``, the one the Plan names (the
+planner chooses, :mod:`smp2ds.translator.backend_choice`, so ``smp2ds explain`` shows what runs), and the few things
+a parallelism package owns that the API needs before or besides it.
 
 Here the parallelisms are composed, so that no parallelism package imports another: with tensor
 parallelism the model first goes through :func:`smp2ds.engine.tensor_parallel.parallelize.parallelize`
@@ -67,10 +67,11 @@ def make_backend(module: torch.nn.Module, state: State) -> Backend:
     if choice.name not in BACKENDS:
         raise SMPInvalidArgumentError(f"the Plan's /engine/backend/name is {choice.name!r}; this engine has the "
                                       f"backends {', '.join(BACKENDS)} (was the Plan made by another smp2ds version?)")
-    microbatches = plan.engine_settings.microbatches
-    # Composed from the choice's typed facts: which engine runs the model, whether the model is sharded
-    # over tensor-parallel groups first, and where the parameters live.
-    if choice.pipeline:
+    settings = plan.engine_settings
+    microbatches = settings.microbatches
+    # Composed from the Plan's typed sections (the choice's name is what they add up to): which engine runs the
+    # model, whether the model is sharded over tensor-parallel groups first, and where the parameters live.
+    if settings.pipeline.enabled:
         from smp2ds.engine.pipeline.backend import PipelineBackend  # start-up: DeepSpeed's pipeline package
 
         return PipelineBackend(module, plan=plan, groups=groups, microbatches=microbatches,
@@ -79,12 +80,12 @@ def make_backend(module: torch.nn.Module, state: State) -> Backend:
 
     plan_ds = dict(plan.deepspeed)
     sharding: ParameterSharding
-    if choice.mics:
+    if settings.mics.enabled:
         from smp2ds.engine.mics.born_partitioned import sharding_around  # start-up: only when chosen
         from smp2ds.engine.mics.sharding import MicsSharding  # start-up: only when chosen
 
         view = None
-        if choice.tensor_parallel:  # a model born partitioned is sharded block by block
+        if settings.tensor_parallel.enabled:  # a model born partitioned is sharded block by block
             view = _parallelize(module, parallel_context.installed(),
                                 around=sharding_around(module, plan_ds, microbatches, state.mics_groups))
         sharding = MicsSharding(state.mics_groups, view)
@@ -92,7 +93,7 @@ def make_backend(module: torch.nn.Module, state: State) -> Backend:
         from smp2ds.engine.data_parallel.replicated import ReplicatedParameters  # start-up: with that backend
 
         rdp = (groups.coords.rdp_rank, groups.topology.rdp)  # where ZeRO-1 partitions the optimizer state
-        view = _parallelize(module, parallel_context.installed()) if choice.tensor_parallel else None
+        view = _parallelize(module, parallel_context.installed()) if settings.tensor_parallel.enabled else None
         sharding = ReplicatedParameters(rdp, mpu=view.deepspeed_mpu(groups) if view is not None else None,
                                         tensor_parallel=view)
     return DataParallelBackend(module, plan_ds, microbatches=microbatches, sharding=sharding)

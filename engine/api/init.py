@@ -200,7 +200,7 @@ def _finish(cfg: SMPConfig, plan: Plan, launch: launch_env.LaunchEnv, backend: s
     state.config, state.plan, state.launch, state.backend_name = cfg, plan, launch, backend
     state.cfg = ConfigView(cfg, plan)
     # SMP2DS_COMPILE: read and refused here, not at a step
-    state.compile_model = torch_compile.check_setting(plan.engine_settings.backend.pipeline)
+    state.compile_model = torch_compile.check_setting(plan.engine_settings.pipeline.enabled)
     os.environ.update(
         {"RANK": str(launch.rank), "WORLD_SIZE": str(launch.world_size), "LOCAL_RANK": str(launch.local_rank)}
     )

@@ -134,6 +134,16 @@ def _launcher(env: Mapping[str, str]) -> Launcher:
     return "single"
 
 
+def ranks_per_node(env: Mapping[str, str] | None = None) -> int | None:
+    """Ranks per node as the launcher reports it (``env``, default ``os.environ``): Open MPI's
+    ``OMPI_COMM_WORLD_LOCAL_SIZE`` under mpirun, else torchrun's and DeepSpeed's ``LOCAL_WORLD_SIZE`` /
+    ``LOCAL_SIZE`` or MPICH's ``MPI_LOCALNRANKS``; None when it says nothing. The one place this is read."""
+    env = os.environ if env is None else env
+    if _launcher(env) == "mpirun":
+        return _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    return _int(env, "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
 def _mpirun_host(env: Mapping[str, str], local_size: int, world_size: int) -> str:
     if local_size >= world_size:
         return "127.0.0.1"
@@ -193,12 +203,11 @@ def detect(env: Mapping[str, str] | None = None, ddp_port: int | None = None) ->
         rank = _int(env, "OMPI_COMM_WORLD_RANK")
         world = _int(env, "OMPI_COMM_WORLD_SIZE")
         local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
-        local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
     else:
         rank = _int(env, "RANK")
         world = _int(env, "WORLD_SIZE")
         local_rank = _int(env, "LOCAL_RANK")
-        local_size = _int(env, "LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+    local_size = ranks_per_node(env)
     rank = 0 if rank is None else rank
     world = 1 if world is None else world
     if not 0 <= rank < world:

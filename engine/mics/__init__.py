@@ -70,7 +70,7 @@ from smp2ds.engine.mics.allgather import (
     uninstall_hierarchical_allgather,
 )
 from smp2ds.engine.mics.gradsync import DeepSpeedInternalsChanged, check_stage3_internals, replica_allreduce
-from smp2ds.engine.mics.layout import HierarchicalPlan, MicsLayout, plan_hierarchical, ranks_per_node_from_env
+from smp2ds.engine.mics.layout import HierarchicalPlan, MicsLayout, plan_hierarchical
 from smp2ds.engine.mics.mpu import ShardGroupMPU
 from smp2ds.engine.mics.param_creation import import_lazy_modules, mics_init_context
 from smp2ds.engine.mics.shard_groups import MicsGroups
@@ -99,7 +99,6 @@ __all__ = [
     "mics_init_context",
     "partition_stats",
     "plan_hierarchical",
-    "ranks_per_node_from_env",
     "replica_allreduce",
     "shard_ds_config",
     "sync_replicas",

@@ -1,6 +1,6 @@
 """Pure MiCS rank arithmetic: shard/replica groups and the hierarchical all-gather sub-groups.
 
-No torch here, so every layout can be tested exhaustively without processes. ``groups.py``
+No torch here, so every layout can be tested exhaustively without processes. ``shard_groups.py``
 turns a ``MicsLayout`` into torch process groups.
 
 Terms (docs/smp-semantics.md#sharded-data-parallelism):
@@ -18,7 +18,6 @@ Terms (docs/smp-semantics.md#sharded-data-parallelism):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from smp2ds.translator.topology import Topology
@@ -131,15 +130,6 @@ def plan_hierarchical(group: tuple[int, ...] | list[int], ranks_per_node: int | 
     inter = tuple(tuple(blocks[j][pos] for j in range(k)) for pos in range(n))
     return HierarchicalPlan(True, f"shard group spans {k} nodes x {n} ranks", nodes=k, per_node=n,
                             inter_groups=inter, intra_groups=tuple(blocks))
-
-
-def ranks_per_node_from_env() -> int | None:
-    """Ranks per node as the launchers report it (torchrun/deepspeed LOCAL_WORLD_SIZE, Open MPI)."""
-    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
-        value = os.environ.get(name)
-        if value and value.isdigit() and int(value) > 0:
-            return int(value)
-    return None
 
 
 def _index_of(groups: tuple[tuple[int, ...], ...], rank: int) -> int:

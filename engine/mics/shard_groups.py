@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from smp2ds.engine.core import comm
+from smp2ds.engine.core import comm, launch_env
 from smp2ds.engine.core.process_groups import own_group
-from smp2ds.engine.mics.layout import MicsLayout, ranks_per_node_from_env
+from smp2ds.engine.mics.layout import MicsLayout
 from smp2ds.translator.topology import Topology
 
 
@@ -61,7 +61,7 @@ class MicsGroups:
             raise ValueError(f"topology world_size({topology.world_size}) != torch.distributed world size "
                              f"({comm.get_world_size()})")
         if ranks_per_node is None:
-            ranks_per_node = ranks_per_node_from_env()
+            ranks_per_node = launch_env.ranks_per_node()
         key = (topology, shard_size, rank, ranks_per_node, bool(hierarchical))
         world = comm.default_group()
         cached = _CACHE.get(key)

@@ -5,26 +5,22 @@ belong to partition ``i`` (innermost context wins); ``set_partition`` assigns an
 and, by default, its children; modules outside any context follow their nearest assigned
 ancestor, else ``default_partition``. Both only take effect with ``auto_partition: false``.
 
-Creation is observed by wrapping ``torch.nn.Module.__init__`` while (and only while) a
-partition context is open: every module runs it first thing in its constructor, so a module is
-tagged with the innermost open context at the moment it is created, parameterless ones
-included. Tags live in weak dictionaries, so they never keep a module alive.
+Creation is observed by :mod:`smp2ds.engine.core.module_creation` (a wrapper of ``torch.nn.Module.__init__``
+while a context is open): a module is tagged with the innermost open context at the moment it is created,
+parameterless ones included. Tags live in weak dictionaries, so they never keep a module alive.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections.abc import Iterator
 
 from torch import nn
 
+from smp2ds.engine.core.module_creation import CreationTag
 from smp2ds.engine.exceptions import InvalidPartitionIDError
 
-_lock = threading.Lock()
-_stack: list[int] = []
-_original_init: list = []
 _context_tags: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 _explicit: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 _num_stages: int | None = None
@@ -49,28 +45,19 @@ def _check_index(index: object) -> int:
     return index
 
 
-def _tagging_init(self: nn.Module, *args: object, **kwargs: object) -> None:
-    _original_init[0](self, *args, **kwargs)
-    if _stack and self not in _context_tags:
-        _context_tags[self] = _stack[-1]
+def _tag(module: nn.Module, index: int) -> None:
+    if module not in _context_tags:
+        _context_tags[module] = index
+
+
+_PARTITION = CreationTag(_tag)
 
 
 @contextlib.contextmanager
 def partition(index: int) -> Iterator[None]:
     """Context manager: modules created inside go to pipeline partition ``index``."""
-    index = _check_index(index)
-    with _lock:
-        if not _stack:
-            _original_init.append(nn.Module.__init__)
-            nn.Module.__init__ = _tagging_init  # type: ignore[method-assign]
-        _stack.append(index)
-    try:
+    with _PARTITION.around(_check_index(index)):
         yield
-    finally:
-        with _lock:
-            _stack.pop()
-            if not _stack:
-                nn.Module.__init__ = _original_init.pop()  # type: ignore[method-assign]
 
 
 def set_partition(module: nn.Module, index: int, recurse: bool = True) -> None:

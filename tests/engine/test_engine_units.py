@@ -121,3 +121,21 @@ def test_shard_optimizer_state_reads_whether_the_run_shards_the_optimizer_state(
     view = ConfigView(normalize(params, Layout(world_size=2)), None)
     assert view.shard_optimizer_state is sharded
     assert view.get_config_dict()["shard_optimizer_state"] is params.get("shard_optimizer_state", False)
+
+
+def test_ranks_per_node_is_read_in_one_place_for_every_launcher():
+    """``launch_env.ranks_per_node``: what ``detect`` records as the local size and what MiCS's groups use when
+    ``smp.init`` is not told (the hierarchical all-gather's node boundaries)."""
+    import pytest
+
+    from smp2ds.engine.core import launch_env
+
+    assert launch_env.ranks_per_node({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_WORLD_SIZE": "8"}) == 8
+    assert launch_env.ranks_per_node({"CROSS_RANK": "0", "LOCAL_SIZE": "4", "RANK": "0"}) == 4  # deepspeed
+    assert launch_env.ranks_per_node({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                                      "LOCAL_WORLD_SIZE": "9"}) == 2  # mpirun: Open MPI's own
+    assert launch_env.ranks_per_node({"MPI_LOCALNRANKS": "6"}) == 6 and launch_env.ranks_per_node({}) is None
+    with pytest.raises(launch_env.LaunchEnvError, match="LOCAL_WORLD_SIZE='eight'"):
+        launch_env.ranks_per_node({"LOCAL_WORLD_SIZE": "eight"})
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert launch_env.detect(env).local_size == launch_env.ranks_per_node(env) == 4

@@ -10,11 +10,13 @@ distributed already.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from smp2ds.engine.core.module_creation import CreationTag
 
 MARK = "_smp2ds_tp_mark"
 
@@ -25,29 +27,18 @@ class Mark:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-_STACK: list[Mark] = []
-_ORIGINAL_INIT: list[Callable] = []
+def _mark(module: torch.nn.Module, mark: Mark) -> None:
+    object.__setattr__(module, MARK, mark)
 
 
-def _marking_init(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-    _ORIGINAL_INIT[0](self, *args, **kwargs)
-    if _STACK:
-        object.__setattr__(self, MARK, _STACK[-1])
+_CREATED = CreationTag(_mark)
 
 
 @contextlib.contextmanager
 def tensor_parallelism(enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     """Mark modules created inside for tensor parallelism (innermost context wins)."""
-    if not _STACK:
-        _ORIGINAL_INIT.append(torch.nn.Module.__init__)
-        torch.nn.Module.__init__ = _marking_init  # type: ignore[method-assign]
-    _STACK.append(Mark(bool(enabled), dict(kwargs)))
-    try:
+    with _CREATED.around(Mark(bool(enabled), dict(kwargs))):
         yield
-    finally:
-        _STACK.pop()
-        if not _STACK:
-            torch.nn.Module.__init__ = _ORIGINAL_INIT.pop()  # type: ignore[method-assign]
 
 
 def set_tensor_parallelism(module: torch.nn.Module, enabled: bool = True, **kwargs: Any) -> None:
@@ -63,7 +54,7 @@ def mark_of(module: torch.nn.Module) -> Mark | None:
 
 def active() -> Mark | None:
     """The mark modules created now receive (the innermost ``tensor_parallelism`` context), or None."""
-    return _STACK[-1] if _STACK else None
+    return _CREATED.current
 
 
 def keep_whole(module: torch.nn.Module) -> None:
