@@ -10,8 +10,8 @@ own fresh interpreter, measures:
 * ``copy``: a plain read and write of the same bytes (every model file read in 64 MiB blocks and
   appended to one output file, fsynced), the floor for any tool that must read and write them;
 * ``consolidate``: ``smp2ds checkpoint consolidate`` in process (safetensors, streamed), fsynced;
-* with ``--smp-names``: the model in SMP's distributed-transformer names at tp 1 x pp 2, and ``dcp-hf`` instead:
-  ``smp2ds checkpoint export --to dcp`` translating them to Hugging Face's a layer at a time.
+* with ``--smp-names``: the model in SMP's distributed-transformer names at ``--tp`` (1 or 2) x pp 2, and
+  ``dcp-hf`` instead: ``smp2ds checkpoint export --to dcp`` translating them to Hugging Face's a layer at a time.
 
 and prints peak RSS above the baseline (``VmHWM``, which counts mapped file pages touched)
 and wall time against the copy. Target (issue 23): peak <= 1.5 GB above the interpreter, time
@@ -109,9 +109,26 @@ def write_checkpoint(folder: str, hidden: int, layers: int, vocab: int, position
     return params
 
 
-def write_smp_named(folder: str, hidden: int, layers: int, vocab: int, positions: int) -> int:
+COLUMN = ("attention.query.", "attention.key.", "attention.value.", "output.dense1.")
+ROW = ("attention.dense.weight", "output.dense2.weight")
+
+
+def _piece(key: str, value, tp: int, rank: int):
+    """Rank ``rank``'s piece of a distributed-transformer tensor as the engine cuts it: query/key/value and
+    ``output.dense1`` split their output features (dim 0), ``attention.dense`` and ``output.dense2`` weights their
+    input features (dim 1); everything else whole on every rank."""
+    if tp == 1:
+        return value
+    if any(f".{c}" in key for c in COLUMN):
+        return value.chunk(tp, dim=0)[rank].clone()
+    if key.endswith(ROW):
+        return value.chunk(tp, dim=1)[rank].clone()
+    return value
+
+
+def write_smp_named(folder: str, hidden: int, layers: int, vocab: int, positions: int, tp: int = 1) -> int:
     """The same model in SMP's distributed-transformer names (``transformer.seq_layers.<i>.attention.query``, ...)
-    at tp 1 x pp 2, as a distributed-transformer run's partial files hold them; returns the parameter count."""
+    at tp ``tp`` x pp 2, as a distributed-transformer run's partial files hold them; returns the parameter count."""
     import torch
 
     from smp2ds.engine.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2_layer
@@ -138,9 +155,11 @@ def write_smp_named(folder: str, hidden: int, layers: int, vocab: int, positions
         if stage == 1:
             sd.update({"transformer.layernorm.weight": torch.ones(hidden), "transformer.layernorm.bias":
                        torch.zeros(hidden), "lm_head.weight": embedding})
-        torch.save(sd, os.path.join(part, f"model_{stage}_0.pt"))
+        for rank in range(tp):
+            torch.save({k: _piece(k, v, tp, rank) if isinstance(v, torch.Tensor) else v for k, v in sd.items()},
+                       os.path.join(part, f"model_{stage}_{rank}.pt"))
         del sd
-    torch.save({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 1}, os.path.join(part, "smp_config.pt"))
+    torch.save({"pipeline_parallel_degree": 2, "tensor_parallel_degree": tp}, os.path.join(part, "smp_config.pt"))
     return params
 
 
@@ -164,18 +183,21 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/smp2ds-ckpt-bench")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
+    ap.add_argument("--tp", type=int, choices=(1, 2), default=1, help="with --smp-names: the tensor-parallel degree")
     ap.add_argument("--smp-names", action="store_true",
                     help="write the distributed transformer's names at tp 1 x pp 2 and measure `export --to dcp` "
                     "translating them to Hugging Face's (instead of consolidate)")
     args = ap.parse_args()
     src = os.path.join(args.dir, "bench_partial")
     t0 = time.perf_counter()
-    writer = write_smp_named if args.smp_names else write_checkpoint
     measured = "dcp-hf" if args.smp_names else "consolidate"
-    params = writer(args.dir, args.hidden, args.layers, args.vocab, args.positions)
+    if args.smp_names:
+        params = write_smp_named(args.dir, args.hidden, args.layers, args.vocab, args.positions, args.tp)
+    else:
+        params = write_checkpoint(args.dir, args.hidden, args.layers, args.vocab, args.positions)
     size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src) if f.startswith("model_"))
     print(f"synthetic checkpoint: {params / 1e9:.3f}B fp32 parameters, "
-          f"{'SMP names, tp 1' if args.smp_names else 'tp 2'} x pp 2, {size / 1e9:.2f} GB of model "
+          f"{f'SMP names, tp {args.tp}' if args.smp_names else 'tp 2'} x pp 2, {size / 1e9:.2f} GB of model "
           f"files (written in {time.perf_counter() - t0:.0f} s)")
     out = os.path.join(args.dir, "out.bin")
     try:

@@ -164,14 +164,17 @@ def plan(layout: CheckpointLayout, reader: ShardReader | None = None) -> tuple[l
 
 
 def join_pieces(pieces: list[torch.Tensor], split: Split | None) -> torch.Tensor:
-    """The full tensor from its pieces by tensor-parallel rank (a copy), as ``ShardSpec.join`` does."""
+    """The full tensor from its pieces by tensor-parallel rank, as ``ShardSpec.join`` does: a new tensor when pieces
+    are joined, else the one piece itself (a whole tensor, or one the tensor-parallel ranks replicate). A mapped
+    piece is mapped copy-on-write, so a caller may change it without touching the file; not copying it keeps one
+    tensor's pages in memory instead of two (the largest, the word embedding, is hundreds of megabytes)."""
     if split is None or len(pieces) == 1:
-        return pieces[0].clone()
+        return pieces[0]
     return ShardSpec(split.dim, len(pieces), split.blocks).join(pieces)
 
 
 def join(entry: Entry, reader: ShardReader) -> torch.Tensor:
-    """The full tensor of ``entry`` (a copy; the mapped pieces are not kept)."""
+    """The full tensor of ``entry`` (its mapping, or a joined copy: see :func:`join_pieces`)."""
     return join_pieces([reader.piece(f, entry.key) for f in entry.files], entry.split)
 
 
