@@ -7,10 +7,7 @@ joins and transposes. Every such operation is a rearrangement of elements, so Ad
 parameter) translate exactly like the weights they belong to.
 
 The translation runs one *unit* at a time: each ``seq_layers.<i>`` layer, then the tensors outside the layers
-(embeddings, final norm, head), so an export holds one layer's tensors at once, not the model. The tensors outside
-the layers are units of one key each when the family's translator gives the same names and shapes for each alone as
-for all together (the word embedding and a separate output head, the two largest tensors, are then never held at
-once); otherwise they stay one unit. Shapes and dtypes
+(embeddings, final norm, head), so an export holds one layer's tensors at once, not the model. Shapes and dtypes
 of the output come from translating meta tensors first (nothing is read). Which optimizer parameter group a
 translated parameter belongs to is found the same way, by translating each source's group index: a translated
 parameter whose sources sit in two groups is refused by name. A tied output head the translator adds (the
@@ -69,37 +66,12 @@ class Renaming:
             raise SMPCheckpointError(f"translating {sorted(tensors)[:3]}... to Hugging Face names: {exc}") from None
 
 
-def _meta(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], keys: list[str]) -> dict[str, torch.Tensor]:
-    return {k: torch.empty(shapes[k][0], dtype=shapes[k][1], device="meta") for k in keys}
-
-
-def _one_by_one(unit: list[str], shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                translate: Translate) -> list[list[str]]:
-    """``unit`` as units of one key each when ``translate`` gives each key alone the names and shapes it gives it
-    among the others (checked on meta tensors), else ``[unit]``."""
-    if len(unit) < 2:
-        return [unit]
-    try:
-        together = translate(_meta(shapes, unit))
-        alone = [translate(_meta(shapes, [k])) for k in unit]
-    except Exception:  # noqa: BLE001 - a translator that needs the keys together says so by failing alone
-        return [unit]
-    merged: dict[str, tuple[int, ...]] = {}
-    for out in alone:
-        if set(out) & set(merged):
-            return [unit]
-        merged.update({k: tuple(v.shape) for k, v in out.items()})
-    return [[k] for k in unit] if merged == {k: tuple(v.shape) for k, v in together.items()} else [unit]
-
-
 def plan(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], translate: Translate) -> Renaming:
     """The renaming of a checkpoint whose full tensors have ``shapes`` (SMP key -> (shape, dtype))."""
-    grouped = units(list(shapes))
-    if grouped and not _LAYER.match(grouped[-1][0]):  # the tensors outside the layers
-        grouped = [*grouped[:-1], *_one_by_one(grouped[-1], shapes, translate)]
-    renaming = Renaming(translate, grouped)
+    renaming = Renaming(translate, units(list(shapes)))
     for index, unit in enumerate(renaming.units):
-        out = renaming.translate_unit(index, _meta(shapes, unit))
+        meta = {k: torch.empty(shapes[k][0], dtype=shapes[k][1], device="meta") for k in unit}
+        out = renaming.translate_unit(index, meta)
         seen: dict[int, str] = {}
         for key, tensor in out.items():
             if id(tensor) in seen:

@@ -240,3 +240,21 @@ def test_flat_optimizer_partitions_round_trip_with_padding(tmp_path, stage, coun
 
     with pytest.raises(SMPCheckpointError, match="differ from the model file's"):
         kind.unflatten([files[1], files[0], *files[2:]], weights, names)
+
+
+def test_a_tensor_needing_no_join_is_its_copy_on_write_mapping(tmp_path):
+    """``consolidate.join_pieces`` hands over a single (or replicated) piece as it was read, a memory-mapped tensor,
+    instead of copying it (the largest tensor's pages once, not twice); a caller that changes it changes its private
+    copy of the pages, never the checkpoint file; pieces that are cut are joined into a new tensor."""
+    from smp2ds.engine.checkpoint_tools.consolidate import join_pieces
+    from smp2ds.engine.checkpoint_tools.shard_rules import Split
+
+    path = tmp_path / "model_0_0.pt"
+    torch.save({"w": torch.arange(6.0).reshape(3, 2)}, path)
+    mapped = torch.load(path, mmap=True, weights_only=True)["w"]
+    whole = join_pieces([mapped], None)
+    assert whole.data_ptr() == mapped.data_ptr()  # no copy
+    whole += 1
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(6.0).reshape(3, 2))  # file untouched
+    cut = join_pieces([torch.zeros(1, 2), torch.ones(1, 2)], Split(0))
+    assert torch.equal(cut, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
