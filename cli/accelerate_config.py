@@ -27,6 +27,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from smp2ds.translator.plan_types import Plan
+
 
 def deepspeed_json_path(yaml_path: str) -> str:
     """Where the DeepSpeed JSON of ``yaml_path`` goes: ``run.yaml`` -> ``run.deepspeed.json``."""
@@ -34,11 +36,11 @@ def deepspeed_json_path(yaml_path: str) -> str:
     return (stem if ext.lower() in (".yaml", ".yml") else yaml_path) + ".deepspeed.json"
 
 
-def accelerate_config(plan: Any, deepspeed_json: str) -> dict[str, Any]:
+def accelerate_config(plan: Plan, deepspeed_json: str) -> dict[str, Any]:
     """The accelerate config (as a flat-ish dict) for ``plan``, pointing at ``deepspeed_json``."""
-    launcher = plan.launcher
-    nodes = int(launcher["nodes"])
-    stage = int(plan.deepspeed.get("zero_optimization", {}).get("stage", 0))
+    launcher = plan.launcher_settings
+    nodes = launcher.nodes
+    stage = plan.engine_settings.zero_stage
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "DEEPSPEED",
@@ -50,16 +52,16 @@ def accelerate_config(plan: Any, deepspeed_json: str) -> dict[str, Any]:
             "zero3_init_flag": stage == 3,
         },
         "machine_rank": 0,
-        "main_process_port": int(launcher["master_port"]),
+        "main_process_port": launcher.master_port,
         "main_training_function": "main",
         "num_machines": nodes,
-        "num_processes": int(launcher["world_size"]),
+        "num_processes": launcher.world_size,
         "rdzv_backend": "static",
         "same_network": True,
         "use_cpu": False,
     }
     if nodes > 1:
-        config["main_process_ip"] = str(launcher["master_addr"])
+        config["main_process_ip"] = launcher.master_addr
     return config
 
 
@@ -79,19 +81,19 @@ def to_yaml(mapping: Mapping[str, Any], indent: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_accelerate_yaml(plan: Any, deepspeed_json: str, source: str) -> str:
+def render_accelerate_yaml(plan: Plan, deepspeed_json: str, source: str) -> str:
     """The YAML text, with a header saying where it came from and how to use it."""
     header = (
         f"# accelerate config written by `smp2ds convert --to accelerate` from {source}\n"
         "# DeepSpeed settings (ZeRO stage, batch, accumulation, precision) live in "
         f"{os.path.basename(deepspeed_json)}\n"
         "# run: accelerate launch --config_file THIS_FILE your_script.py"
-        + (" (on every machine, with --machine_rank set)\n" if int(plan.launcher["nodes"]) > 1 else "\n")
+        + (" (on every machine, with --machine_rank set)\n" if plan.launcher_settings.nodes > 1 else "\n")
     )
     return header + to_yaml(accelerate_config(plan, deepspeed_json))
 
 
-def fsdp2_sizes(plan: Any) -> dict[str, int] | None:
+def fsdp2_sizes(plan: Plan) -> dict[str, int] | None:
     """accelerate's ``ParallelismConfig`` sizes for a plan with sharded data parallelism or tensor parallelism (the
     FSDP2 route), else None (DeepSpeed's plugin carries data parallelism and ZeRO-1 exactly)."""
     topo = plan.topology_settings
@@ -106,13 +108,13 @@ def fsdp2_sizes(plan: Any) -> dict[str, int] | None:
 _MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
-def fsdp2_config(plan: Any) -> dict[str, Any]:
+def fsdp2_config(plan: Plan) -> dict[str, Any]:
     """The accelerate config running FSDP2 on the plan's 2-D (or tensor-parallel) mesh."""
     sizes = fsdp2_sizes(plan)
     if sizes is None:
         raise ValueError("the plan needs no FSDP2 mesh: use accelerate_config")
-    launcher = plan.launcher
-    nodes = int(launcher["nodes"])
+    launcher = plan.launcher_settings
+    nodes = launcher.nodes
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP",
@@ -128,20 +130,20 @@ def fsdp2_config(plan: Any) -> dict[str, Any]:
         "parallelism_config": {f"parallelism_config_{k}": v for k, v in sizes.items()},
         "mixed_precision": _MIXED.get(plan.engine_settings.precision.dtype, "no"),
         "machine_rank": 0,
-        "main_process_port": int(launcher["master_port"]),
+        "main_process_port": launcher.master_port,
         "main_training_function": "main",
         "num_machines": nodes,
-        "num_processes": int(launcher["world_size"]),
+        "num_processes": launcher.world_size,
         "rdzv_backend": "static",
         "same_network": True,
         "use_cpu": False,
     }
     if nodes > 1:
-        config["main_process_ip"] = str(launcher["master_addr"])
+        config["main_process_ip"] = launcher.master_addr
     return config
 
 
-def render_fsdp2_yaml(plan: Any, source: str) -> str:
+def render_fsdp2_yaml(plan: Plan, source: str) -> str:
     """The FSDP2 YAML text, with a header listing what differs from SMP and what the script must do."""
     sizes = fsdp2_sizes(plan) or {}
     topo = plan.topology_settings
@@ -165,6 +167,6 @@ def render_fsdp2_yaml(plan: Any, source: str) -> str:
         "# not in this file, set in your script / TrainingArguments: SMP's microbatches -> "
         "gradient_accumulation_steps; sdp_gradient_clipping -> max_grad_norm; activation checkpointing",
         "# run: accelerate launch --config_file THIS_FILE your_script.py"
-        + (" (on every machine, with --machine_rank set)" if int(plan.launcher["nodes"]) > 1 else ""),
+        + (" (on every machine, with --machine_rank set)" if plan.launcher_settings.nodes > 1 else ""),
     ]
     return "\n".join(notes) + "\n" + to_yaml(fsdp2_config(plan))

@@ -24,6 +24,7 @@ from typing import Any
 from smp2ds.translator.issues import Issue, SMPConfigError
 from smp2ds.translator.load import load_document
 from smp2ds.translator.normalize import normalize
+from smp2ds.translator.plan_types import Plan, SMPConfig
 from smp2ds.translator.planner import plan
 from smp2ds.translator.tools.cluster_job import cluster_job
 from smp2ds.translator.tools.kubernetes import check_job_name, pytorchjob, render_manifest
@@ -190,14 +191,14 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
         raise UsageError("--job-name must not be empty")
 
 
-def render_cluster(result: Any, args: argparse.Namespace, entry_point: str | None, config: Any,
+def render_cluster(result: Plan, args: argparse.Namespace, entry_point: str | None, config: SMPConfig,
                    source_dir: str | None = None) -> str:
     """``--to slurm``: the sbatch script (``--format json``: its parts); ``--to kubernetes``: the PyTorchJob, as
     YAML, or JSON with ``--format json``, ``-o FILE.json`` or without PyYAML."""
 
     ddp_port = config.given.get("ddp_port")
     ddp_port = ddp_port if isinstance(ddp_port, int) and not isinstance(ddp_port, bool) else None
-    job = cluster_job(result.launcher, entry_point, _local_paths(args), ddp_port,
+    job = cluster_job(result.launcher_settings, entry_point, _local_paths(args), ddp_port,
                       source_dir=source_dir, efa=args.efa)
     job["instance_type"] = config.instance_type
     instance = f"{config.instance_count} x {config.instance_type}" if config.instance_type else None
@@ -233,7 +234,7 @@ def _entry_point(document: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _write_accelerate(result: Any, args: argparse.Namespace) -> int:
+def _write_accelerate(result: Plan, args: argparse.Namespace) -> int:
     _refuse_model_parallel_for_accelerate(result)
     if fsdp2_sizes(result) is not None:  # sharded data or tensor parallelism: FSDP2's mesh, no DeepSpeed JSON
         write_atomically(args.output, render_fsdp2_yaml(result, source_name(args.file)))
@@ -252,7 +253,7 @@ def _write_accelerate(result: Any, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _write_native(result: Any, args: argparse.Namespace) -> int:
+def _write_native(result: Plan, args: argparse.Namespace) -> int:
     """``--to deepspeed --native``: the plain-DeepSpeed config, then (text format) what differs from SMP."""
     # CLI start-up: the native config's rules load only for --native
     from smp2ds.translator.tools.native_deepspeed import native_config
@@ -271,7 +272,7 @@ def _write_native(result: Any, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _refuse_model_parallel_for_accelerate(result: Any) -> None:
+def _refuse_model_parallel_for_accelerate(result: Plan) -> None:
     """accelerate has no pipeline engine for an arbitrary model (its FSDP2 mesh takes data, shard, tensor and
     context parallelism): a plan with pipeline parallelism is refused with the routes that work."""
 
@@ -293,11 +294,11 @@ def _local_paths(args: argparse.Namespace) -> dict[str, Any]:
             "channels": parse_channels(args.channel)}
 
 
-def render_launch(result: Any, target: str, fmt: str, entry_point: str | None, config: Any,
+def render_launch(result: Plan, target: str, fmt: str, entry_point: str | None, config: SMPConfig,
                   paths: dict[str, Any] | None = None) -> str:
     """``--to torchrun|deepspeed-launcher|mpirun``: a shell script, or its parts as one JSON object."""
 
-    spec = launch_spec(result.launcher, target, entry_point)
+    spec = launch_spec(result.launcher_settings, target, entry_point)
     if paths and (paths["output_dir"] or paths["checkpoint_dir"] or paths["channels"]):
         spec["env"], spec["command"] = map_paths(spec["env"], spec["command"], **paths)
     if fmt == "json":
@@ -306,7 +307,7 @@ def render_launch(result: Any, target: str, fmt: str, entry_point: str | None, c
     return render_launch_script(spec, instance)
 
 
-def render(result: Any, target: str, fmt: str) -> str:
+def render(result: Plan, target: str, fmt: str) -> str:
     """The text ``convert`` prints for ``--to target --format fmt``."""
 
     if target == "plan":

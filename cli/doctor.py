@@ -23,7 +23,7 @@ from smp2ds.translator.issues import SMPConfigError
 from smp2ds.translator.layout import smallest_world
 from smp2ds.translator.load import load_document
 from smp2ds.translator.normalize import normalize
-from smp2ds.translator.plan_types import Layout
+from smp2ds.translator.plan_types import Layout, Plan, SMPConfig
 from smp2ds.translator.planner import plan
 from smp2ds.translator.tools import doctor as rules
 
@@ -160,7 +160,7 @@ def _config(args: argparse.Namespace, env: dict[str, str],
         config = normalize(doc, layout)
         try:
             result = plan(config, layout)  # an estimator spec knows its world and nodes itself
-            nodes = nodes or (int(result.topology["nodes"]) if layout is None else 1)
+            nodes = nodes or (result.topology_settings.nodes if layout is None else 1)
         except SMPConfigError as err:
             if explicit or not any("world size" in i.message and "unknown" in i.message for i in err.issues):
                 raise
@@ -174,10 +174,10 @@ def _config(args: argparse.Namespace, env: dict[str, str],
         findings += [rules.Finding(where, "problem", f"{i.pointer or '/'}: {i.message}", i.hint or "")
                      for i in err.issues]
         return findings, None
-    topo = result.topology
-    findings.append(rules.Finding(where, "ok", f"valid: pp={topo['pipeline_parallel_degree']} "
-                                  f"tp={topo['tensor_parallel_degree']} rdp={topo['rdp_degree']}"))
-    findings += rules.check_layout(int(topo["world_size"]), int(topo["ranks_per_node"]), machine, nodes)
+    topo = result.topology_settings
+    findings.append(rules.Finding(where, "ok", f"valid: pp={topo.pipeline_parallel_degree} "
+                                  f"tp={topo.tensor_parallel_degree} rdp={topo.rdp_degree}"))
+    findings += rules.check_layout(topo.world_size, topo.ranks_per_node, machine, nodes)
     findings += [rules.Finding("placement", "warn", remark.removeprefix("warning: "), "")
                  for remark in result.remarks if remark.startswith("warning: placement_strategy")]
     if args.model:
@@ -185,7 +185,7 @@ def _config(args: argparse.Namespace, env: dict[str, str],
     return findings, result.deepspeed
 
 
-def _memory_fit(args: argparse.Namespace, config: Any, result: Any) -> rules.Finding:
+def _memory_fit(args: argparse.Namespace, config: SMPConfig, result: Plan) -> rules.Finding:
     """``--model``: one training step of the model on this machine's first GPU (explain --memory's estimate)."""
 
     device = detect_gpu_memory()
@@ -193,8 +193,8 @@ def _memory_fit(args: argparse.Namespace, config: Any, result: Any) -> rules.Fin
         return rules.Finding("memory", "info", "no GPU visible: the memory of one step of --model was not checked "
                              "(SMP2DS_GPU_MEMORY=80GiB checks against a size)")
     if args.batch_size:
-        topo = result.topology
-        result = plan(config, Layout(world_size=int(topo["world_size"]), gpus_per_node=int(topo["ranks_per_node"]),
+        topo = result.topology_settings
+        result = plan(config, Layout(world_size=topo.world_size, gpus_per_node=topo.ranks_per_node,
                                      batch_size=args.batch_size))
     try:
         fits, line = fit_warning(args.model, config, result, device, seq_len=args.seq_len)

@@ -18,6 +18,7 @@ from typing import Any
 from smp2ds.translator import transformer_options
 from smp2ds.translator.load import load_document
 from smp2ds.translator.normalize import normalize
+from smp2ds.translator.plan_types import Layout, Plan, SMPConfig
 from smp2ds.translator.planner import plan
 from smp2ds.translator.smp2ds_settings import given_settings
 from smp2ds.translator.tools import diagram as data
@@ -157,7 +158,7 @@ def explain_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _memory(args: argparse.Namespace, config: Any, result: Any, layout: Any) -> int:
+def _memory(args: argparse.Namespace, config: SMPConfig, result: Plan, layout: Layout) -> int:
     """``--memory`` / ``--fit``: the per-role peak, or the layouts that fit (see ``cli/memory.py``)."""
 
     if args.fit:
@@ -186,7 +187,7 @@ def _add_drawing_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _draw(args: argparse.Namespace, result: Any) -> None:
+def _draw(args: argparse.Namespace, result: Plan) -> None:
     """Write the pictures asked for; the note goes to stderr so stdout stays the report (maybe JSON)."""
     import sys
 
@@ -210,7 +211,7 @@ def _draw(args: argparse.Namespace, result: Any) -> None:
 DEFAULT_PARAMS = 1_000_000_000
 """Without ``--params`` the estimate is shown for 1e9 parameters (it scales linearly)."""
 
-def _estimate(result: Any, params: int | None, source: str | None = None) -> dict[str, Any]:
+def _estimate(result: Plan, params: int | None, source: str | None = None) -> dict[str, Any]:
     """Call the translator's estimator (formulas of docs/internals.md#cost-model) and make it JSON."""
 
     value = report.to_jsonable(estimate(result, params or DEFAULT_PARAMS))
@@ -218,7 +219,7 @@ def _estimate(result: Any, params: int | None, source: str | None = None) -> dic
     return value
 
 
-def _model_split(path: str, config: Any) -> Any:
+def _model_split(path: str, config: SMPConfig) -> Any:
     """The pipeline split of the model in ``path`` under ``config`` (engine code: imports torch)."""
 
     model_config = load_document(path)
@@ -243,10 +244,10 @@ _HIDDEN = ("hidden_size", "n_embd", "d_model")
 _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx")
 
 
-def _tp_traffic(args: argparse.Namespace, result: Any) -> dict[str, Any] | None:
+def _tp_traffic(args: argparse.Namespace, result: Plan) -> dict[str, Any] | None:
     """Tensor-parallel all-reduce traffic for the --model config, when tensor parallelism is on."""
 
-    tp = int(result.topology["tensor_parallel_degree"])
+    tp = result.topology_settings.tensor_parallel_degree
     if tp == 1:
         return None
     if not args.batch_size:

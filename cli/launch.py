@@ -313,7 +313,7 @@ def _plan(args: argparse.Namespace, doc: Any, fallback: int) -> tuple[Any, dict[
     nproc = args.nproc_per_node or _int(normalize(doc).mpi.get("processes_per_host")) or fallback
     layout = Layout(world_size=nproc * args.nnodes, gpus_per_node=nproc)
     config = normalize(doc, layout)
-    return config, plan(config, layout).launcher.get("env"), nproc
+    return config, dict(plan(config, layout).launcher_settings.env), nproc
 
 
 def _notices(config: Any, gpus: int, nproc: int, nnodes: int) -> list[str]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from smp2ds.translator.issues import SMPConfigError
 from smp2ds.translator.model_state_bytes import model_state_bytes_per_parameter
+from smp2ds.translator.plan_types import Layout, Plan, SMPConfig
 
 from . import UsageError
 from .report import human_bytes, table
@@ -68,12 +69,14 @@ def device_from_flag(text: str | None) -> tuple[int, str] | None:
         raise UsageError(str(err)) from None
 
 
-def _seq_len(flag: int | None, config: Any, source: Any) -> tuple[int, str]:
+def _seq_len(flag: int | None, config: SMPConfig, source: Any) -> tuple[int, str]:
     """(tokens per sample, where from): ``--seq-len``, the hyperparameters, else the model's maximum positions."""
     if flag:
         return int(flag), "--seq-len"
     for name in SEQ_HYPERPARAMETERS:
         value = config.hyperparameters.get(name)
+        if value is None:
+            continue
         with contextlib.suppress(TypeError, ValueError):
             if int(value) > 0:
                 return int(value), f"hyperparameters.{name}"
@@ -83,7 +86,7 @@ def _seq_len(flag: int | None, config: Any, source: Any) -> tuple[int, str]:
                      f"{', '.join(SEQ_HYPERPARAMETERS)}")
 
 
-def _batch(result: Any) -> tuple[int, str]:
+def _batch(result: Plan) -> tuple[int, str]:
     batch = result.engine_settings.batch
     if batch.per_rank_batch:
         # the layout's batch is the --batch-size flag's (explain's --world-size / --batch-size make the layout)
@@ -104,7 +107,7 @@ def _load(model: str) -> Any:
             raise UsageError(f"--model {model}: {err}") from None
 
 
-def _estimate(source: Any, result: Any, batch: int, seq: int, ckpt: bool, cache: dict[Any, Any] | None = None) -> Any:
+def _estimate(source: Any, result: Plan, batch: int, seq: int, ckpt: bool, cache: dict[Any, Any] | None = None) -> Any:
     with _quiet_stdout():
         # torch and transformers load only with --memory / --fit (CLI start-up)
         from smp2ds.engine.memory import estimate_memory
@@ -117,7 +120,7 @@ def _estimate(source: Any, result: Any, batch: int, seq: int, ckpt: bool, cache:
             raise UsageError(f"--memory: {err}") from None
 
 
-def memory_report(args: argparse.Namespace, config: Any, result: Any) -> dict[str, Any]:
+def memory_report(args: argparse.Namespace, config: SMPConfig, result: Plan) -> dict[str, Any]:
     """The ``--memory`` figures as a JSON-ready dict."""
     if not args.model:
         raise UsageError("--memory needs --model (a config.json, a model directory or module:function)")
@@ -126,7 +129,7 @@ def memory_report(args: argparse.Namespace, config: Any, result: Any) -> dict[st
     batch, batch_from = _batch(result)
     estimate = _estimate(source, result, batch, seq, args.activation_checkpointing)
     out = {**estimate.to_dict(), "batch_per_rank": batch, "batch_source": batch_from, "seq_len_source": seq_from,
-           "tensor_parallel_degree": int(result.topology["tensor_parallel_degree"])}
+           "tensor_parallel_degree": result.topology_settings.tensor_parallel_degree}
     device = device_from_flag(args.gpu_memory)
     if device is not None:
         out["device"] = _verdict(estimate, *device)
@@ -134,7 +137,7 @@ def memory_report(args: argparse.Namespace, config: Any, result: Any) -> dict[st
     return out
 
 
-def not_counted(config: Any) -> list[str]:
+def not_counted(config: SMPConfig) -> list[str]:
     """Settings of the configuration the estimate does not model, each with what that means for the figures."""
     found = []
     if config.given.get("offload_activations"):
@@ -143,7 +146,7 @@ def not_counted(config: Any) -> list[str]:
     return found
 
 
-def fit_warning(model: str, config: Any, result: Any, device: tuple[int, str], *, seq_len: int | None = None,
+def fit_warning(model: str, config: SMPConfig, result: Plan, device: tuple[int, str], *, seq_len: int | None = None,
                 activation_checkpointing: bool = False) -> tuple[bool, str]:
     """(fits, one line) for ``validate --model`` and ``doctor --model``: the layout's largest role against
     ``device``. UsageError when the step cannot be sized (no batch, no sequence length, a layout not estimated)."""
@@ -255,7 +258,7 @@ def _candidate_params(given: Mapping[str, Any], world: int, batch: int) -> Itera
                            "ddp": True, **sharding}
 
 
-def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) -> dict[str, Any]:
+def fit_report(args: argparse.Namespace, config: SMPConfig, result: Plan, layout: Layout) -> dict[str, Any]:
     """Layouts of this world size that fit ``--fit``'s device, fastest per sample first (``tools/step_time.py``).
 
     Fast at cluster scale: a layout whose model states alone (by formula, the model spread evenly) exceed the
@@ -271,7 +274,7 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
     source = _load(args.model)
     seq, _ = _seq_len(args.seq_len, config, source)
     batch, _ = _batch(result)
-    world = int(result.topology["world_size"])
+    world = result.topology_settings.world_size
     # torch loads only with --memory / --fit (CLI start-up)
     from smp2ds.engine.memory.estimate import tensor_parallel_refusal, usable_bytes  # as above
     from smp2ds.translator.planner import plan  # as above
@@ -347,7 +350,7 @@ def fit_report(args: argparse.Namespace, config: Any, result: Any, layout: Any) 
             "native_deepspeed": _native_exit(first_plan, source) if first_plan is not None else None}
 
 
-def _native_exit(candidate_plan: Any, source: Any) -> dict[str, Any]:
+def _native_exit(candidate_plan: Plan, source: Any) -> dict[str, Any]:
     """For users leaving SMP: the native DeepSpeed config of a proposed layout (``convert --to deepspeed --native``)
     and its notes, or why a plain DeepSpeed script cannot run it (pipelines, a family AutoTP refuses)."""
     from smp2ds.translator.tools.native_deepspeed import native_config  # serves --fit alone
@@ -360,7 +363,7 @@ def _native_exit(candidate_plan: Any, source: Any) -> dict[str, Any]:
     return {"config": config, "notes": notes}
 
 
-def _model_state_floor(candidate_plan: Any, n_params: int, batch: int, seq: int) -> float:
+def _model_state_floor(candidate_plan: Plan, n_params: int, batch: int, seq: int) -> float:
     """The least model-state bytes any rank of the layout holds (the parameters spread evenly over the model's
     tensor-parallel and pipeline ranks; ``smp2ds.translator.model_state_bytes``); ValueError for a layout the
     estimate does not cover."""
@@ -374,7 +377,7 @@ def _model_state_floor(candidate_plan: Any, n_params: int, batch: int, seq: int)
                                                       shard=shape.optimizer_shard)
 
 
-def _candidate(source: Any, candidate_plan: Any, params: dict[str, Any], peak: int, ckpt: bool, n_params: int,
+def _candidate(source: Any, candidate_plan: Plan, params: dict[str, Any], peak: int, ckpt: bool, n_params: int,
                batch: int, seq: int) -> Candidate:
     """A fitting layout with what it sends and its step time."""
     from smp2ds.translator.tools.estimate import estimate as traffic  # the traffic model serves --fit alone
@@ -384,8 +387,8 @@ def _candidate(source: Any, candidate_plan: Any, params: dict[str, Any], peak: i
     chosen = scheme["schemes"][scheme["selected"]]
     model_config = source.hf_config or {}
     tp_bytes = _tensor_parallel_bytes(model_config, candidate_plan, batch, seq)
-    topo = candidate_plan.topology
-    pp, tp = int(topo["pipeline_parallel_degree"]), int(topo["tensor_parallel_degree"])
+    topo = candidate_plan.topology_settings
+    pp, tp = topo.pipeline_parallel_degree, topo.tensor_parallel_degree
     half = _half(candidate_plan)
     hidden = _config_int(model_config, ("hidden_size", "n_embd", "d_model"))
     sends = pipeline_send_bytes(stages=pp, batch_per_rank=batch, seq_len=seq, hidden=hidden or 0,
@@ -397,13 +400,13 @@ def _candidate(source: Any, candidate_plan: Any, params: dict[str, Any], peak: i
     layers = _config_int(model_config, ("num_hidden_layers", "n_layer", "num_layers")) or 0
     micro = int(candidate_plan.engine_settings.microbatches)
     prescaled = bool(candidate_plan.engine_settings.tensor_parallel.prescaled_batch)
-    readers = int(topo["world_size"]) // (pp * (tp if prescaled else 1))  # ranks that read their own rows
+    readers = topo.world_size // (pp * (tp if prescaled else 1))  # ranks that read their own rows
     work = StepWork(parameters=float(n_params), tokens_per_rank=batch * seq, tensor_parallel=tp, pipeline_stages=pp,
                     microbatches=micro,
                     prescaled_batch=prescaled, samples_per_step=readers * batch,
                     activation_checkpointing=ckpt, data_parallel_in_node_bytes=float(chosen["bytes_per_rank"]) - cross,
                     data_parallel_cross_node_bytes=cross, tensor_parallel_bytes=tp_bytes,
-                    pipeline_send_bytes=sends, pipeline_crosses_nodes=tp * pp > int(topo["ranks_per_node"]),
+                    pipeline_send_bytes=sends, pipeline_crosses_nodes=tp * pp > topo.ranks_per_node,
                     data_parallel_in_node_messages=steps[False], data_parallel_cross_node_messages=steps[True],
                     tensor_parallel_messages=4 * layers * micro * 2 * (tp - 1) if tp > 1 else 0,
                     pipeline_messages=2 * micro if pp > 1 else 0)
@@ -411,9 +414,9 @@ def _candidate(source: Any, candidate_plan: Any, params: dict[str, Any], peak: i
                      activation_checkpointing=ckpt, step=step_time(work))
 
 
-def _half(plan: Any) -> bool:
+def _half(plan: Plan) -> bool:
     """True when the plan trains in fp16 or bf16."""
-    return any(plan.deepspeed.get(k, {}).get("enabled") for k in ("fp16", "bf16"))
+    return plan.engine_settings.precision.dtype != "fp32"
 
 
 def _config_int(model_config: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
@@ -421,13 +424,13 @@ def _config_int(model_config: Mapping[str, Any], keys: tuple[str, ...]) -> int |
     return value if isinstance(value, int) else None
 
 
-def _tensor_parallel_bytes(model_config: Mapping[str, Any], plan: Any, batch: int, seq: int) -> float:
+def _tensor_parallel_bytes(model_config: Mapping[str, Any], plan: Plan, batch: int, seq: int) -> float:
     """Bytes a rank sends per step for tensor parallelism's all-reduces (``translator/tools/tp_traffic.py``), for a
     Hugging Face config that names its layer count and hidden size; 0 without tensor parallelism."""
     # the tensor-parallel traffic model serves --fit alone
     from smp2ds.translator.tools.tp_traffic import tensor_parallel_traffic
 
-    tp = int(plan.topology["tensor_parallel_degree"])
+    tp = plan.topology_settings.tensor_parallel_degree
     layers = _config_int(model_config, ("num_hidden_layers", "n_layer", "num_layers"))
     hidden = _config_int(model_config, ("hidden_size", "n_embd", "d_model"))
     if tp == 1 or not isinstance(layers, int) or not isinstance(hidden, int):

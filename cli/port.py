@@ -17,7 +17,7 @@ from typing import Any
 
 from smp2ds.translator.load import load_document
 from smp2ds.translator.normalize import normalize
-from smp2ds.translator.plan_types import Layout
+from smp2ds.translator.plan_types import Layout, Plan
 from smp2ds.translator.planner import plan as make_plan
 from smp2ds.translator.tools.native_deepspeed import AUTOTP_REFUSED, native_config
 
@@ -108,7 +108,7 @@ def _plan(args: argparse.Namespace) -> Any:
     return make_plan(normalize(document, layout), layout)
 
 
-def _deepspeed_config(plan: Any, nominal: bool, families: list[str]) -> tuple[dict[str, Any], list[str]]:
+def _deepspeed_config(plan: Plan, nominal: bool, families: list[str]) -> tuple[dict[str, Any], list[str]]:
     """The job's native DeepSpeed config without ``train_batch_size`` (DeepSpeed derives it at any world size).
     ``families``: those the script builds for tensor parallelism; one AutoTP refuses is marked in the script (with
     the route that works), so the config is still written for the layout asked."""

@@ -11,6 +11,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from smp2ds.translator.plan_types import Plan
+
 FORMATS: tuple[str, ...] = ("text", "json")
 
 _FATE_ORDER = ("mapped", "engine", "ignored", "unsupported")
@@ -141,7 +143,7 @@ def render_remarks(remarks: Sequence[str]) -> str:
 # plans
 
 
-def render_plan_text(plan: Any) -> str:
+def render_plan_text(plan: Plan) -> str:
     """Human-readable plan: topology, every section as JSON, then the key-fate table and remarks."""
     parts = [render_mapping("topology", plan.topology)]
     for name in ("deepspeed", "engine", "megatron"):

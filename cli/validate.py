@@ -14,7 +14,7 @@ from smp2ds.translator import normalize, plan
 from smp2ds.translator.issues import SMPConfigError
 from smp2ds.translator.layout import resolve_layout, smallest_world
 from smp2ds.translator.load import load_document
-from smp2ds.translator.plan_types import Layout
+from smp2ds.translator.plan_types import Layout, Plan, SMPConfig
 from smp2ds.translator.validate import validate
 
 from . import (
@@ -82,7 +82,7 @@ def validate_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _planned(doc: Any, layout: Any, args: argparse.Namespace) -> tuple[list[Any], list[str], dict[str, Any]]:
+def _planned(doc: Any, layout: Layout, args: argparse.Namespace) -> tuple[list[Any], list[str], dict[str, Any]]:
     """Plan the valid document once: what ``smp.init`` would refuse (keys the plan calls ``unsupported``, so
     "valid" means it will start), the plan's warnings (layouts that run, but slowly: see ``explain``) and the
     summary. Without a world size the plan is made for the smallest world the degrees allow, and its warnings,
@@ -110,7 +110,7 @@ def _planned(doc: Any, layout: Any, args: argparse.Namespace) -> tuple[list[Any]
     return [], warnings, summary
 
 
-def _memory(args: argparse.Namespace, config: Any, result: Any) -> tuple[bool, str]:
+def _memory(args: argparse.Namespace, config: SMPConfig, result: Plan) -> tuple[bool, str]:
     """``--model``: the largest role's peak against ``--gpu-memory`` or the first visible GPU."""
 
     device = device_from_flag(args.gpu_memory) if args.gpu_memory else detect_gpu_memory()

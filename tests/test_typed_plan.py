@@ -176,3 +176,19 @@ def test_no_engine_module_reads_the_plan_engine_by_key():
         for line in _keyed_engine_reads(path.read_text())
     ]
     assert found == [], "read Plan.engine_settings (typed) instead of plan.engine[...]: " + ", ".join(found)
+
+
+def test_the_launcher_section_is_typed_and_read_typed_by_the_cli_and_tools():
+    """``Plan.launcher_settings`` holds every field of ``/launcher``; the CLI and the tools read it (and the
+    topology and engine sections) typed, never by key."""
+    document = load_document(str(ROOT / "examples" / "configs" / "gpt2_30b_sdp_002.json"))
+    p = plan(normalize(document, None), None)  # the estimator names its instances: 32 nodes of 8 GPUs
+    settings = p.launcher_settings
+    assert settings.nodes == p.launcher["nodes"] == 32 and settings.world_size == 256
+    assert list(settings.command("torchrun")) == list(p.launcher["torchrun"]) and dict(settings.env) == p.launcher["env"]
+    keyed = [f"{path.relative_to(ROOT)}:{node.lineno}"
+             for folder in ("cli", "translator/tools") for path in sorted((ROOT / folder).rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
+             and node.value.attr in ("launcher", "topology")]
+    assert keyed == [], "read launcher_settings / topology_settings: " + ", ".join(keyed)

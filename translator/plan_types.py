@@ -50,6 +50,40 @@ class TopologySettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LauncherSettings:
+    """The Plan's ``/launcher``: the job's hosts and ranks, and each launcher's command line, for the CLI's
+    launch scripts and cluster files."""
+
+    script: str
+    hosts: tuple[str, ...]
+    nodes: int
+    ranks_per_node: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    deepspeed: tuple[str, ...]
+    torchrun: tuple[str, ...]
+    mpirun: tuple[str, ...]
+    hostfile: str
+    env: Mapping[str, str]
+    custom_mpi_options: str
+
+    @classmethod
+    def from_launcher(cls, launcher: Mapping[str, Any]) -> LauncherSettings:
+        """The typed form of a Plan's ``launcher`` mapping."""
+        return cls(script=str(launcher["script"]), hosts=tuple(launcher["hosts"]), nodes=int(launcher["nodes"]),
+                   ranks_per_node=int(launcher["ranks_per_node"]), world_size=int(launcher["world_size"]),
+                   master_addr=str(launcher["master_addr"]), master_port=int(launcher["master_port"]),
+                   deepspeed=tuple(launcher["deepspeed"]), torchrun=tuple(launcher["torchrun"]),
+                   mpirun=tuple(launcher["mpirun"]), hostfile=str(launcher["hostfile"]),
+                   env=_frozen(launcher["env"]), custom_mpi_options=str(launcher["custom_mpi_options"]))
+
+    def command(self, launcher: str) -> tuple[str, ...]:
+        """The command line of ``launcher`` (``deepspeed``, ``torchrun`` or ``mpirun``)."""
+        return {"deepspeed": self.deepspeed, "torchrun": self.torchrun, "mpirun": self.mpirun}[launcher]
+
+
+@dataclass(frozen=True, kw_only=True)
 class SMPConfig:
     """A validated SMP configuration with aliases resolved and every default filled in.
 
@@ -150,6 +184,11 @@ class Plan:
     def topology_settings(self) -> TopologySettings:
         """:attr:`topology` typed, the form the engine reads (parsed once per Plan)."""
         return TopologySettings.from_topology(self.topology)
+
+    @cached_property
+    def launcher_settings(self) -> LauncherSettings:
+        """:attr:`launcher` typed (parsed once per Plan)."""
+        return LauncherSettings.from_launcher(self.launcher)
 
     @cached_property
     def engine_settings(self) -> EngineSettings:

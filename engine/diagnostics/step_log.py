@@ -91,20 +91,21 @@ def start_logging(plan: Plan, launch: LaunchEnv, backend: str) -> None:
 
 def layout_summary(plan: Plan, world_size: int, backend: str) -> str:
     """One line: degrees and placement, nodes, data-parallel scheme, micro-batches, precision, backend."""
-    topo, ds, mics = plan.topology_settings, plan.deepspeed, plan.engine_settings.mics
+    topo, settings = plan.topology_settings, plan.engine_settings
+    mics = settings.mics
     rpn = topo.ranks_per_node
     pp, tp, rdp = topo.pipeline_parallel_degree, topo.tensor_parallel_degree, topo.rdp_degree
-    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    stage = settings.zero_stage
     if mics.enabled:
         shard = mics.shard_size
         scheme = f"sharded data parallelism (MiCS, shard groups of {shard}, {rdp // shard} replica(s))"
     else:
         scheme = {0: "DDP", 1: "ZeRO-1 (shard_optimizer_state)", 2: "ZeRO-2", 3: "ZeRO-3"}[stage]
-    precision = next((p for p in ("fp16", "bf16") if ds.get(p, {}).get("enabled")), "fp32")
+    precision = settings.precision.dtype
     return (
         f"layout: world {world_size} = pipeline {pp} x tensor {tp} x data-parallel {rdp} "
         f"(placement {topo.placement}), {-(-world_size // rpn)} node(s) x {rpn} rank(s); "
-        f"{scheme}; {ds.get('gradient_accumulation_steps', 1)} micro-batch(es) per step; {precision}; "
+        f"{scheme}; {settings.microbatches} micro-batch(es) per step; {precision}; "
         f"backend {backend}"
     )
 

@@ -13,6 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from smp2ds.translator.plan_types import LauncherSettings
+from smp2ds.translator.tools.launch_script import launch_spec
+from smp2ds.translator.tools.sagemaker_paths import map_paths
+
 TORCHRUN_FLAGS = ("--nnodes", "--nproc-per-node", "--node-rank", "--master-addr", "--master-port")
 """The flags, each with one value, that the plan's torchrun command has before the script."""
 
@@ -26,16 +30,13 @@ def is_efa_variable(name: str) -> bool:
     return name.startswith(EFA_PREFIXES)
 
 
-def cluster_job(launcher: Mapping[str, Any], entry_point: str | None, paths: Mapping[str, Any] | None,
+def cluster_job(launcher: LauncherSettings, entry_point: str | None, paths: Mapping[str, Any] | None,
                 ddp_port: int | None, *, source_dir: str | None = None, efa: bool = False) -> dict[str, Any]:
     """The job: ``nodes``, ``nproc_per_node``, ``world_size``, ``hosts``, ``env`` (name -> value), ``script``
     (the argv after ``torchrun``: the entry point and its arguments), ``ddp_port`` (SMP's, or None),
     ``mapped_dirs`` (the local folders SageMaker's model, output data and checkpoint paths became),
     ``source_dir`` (the estimator's: SageMaker ran the entry point from it) and ``efa`` with ``left_out`` (the
     EFA variables dropped from ``env`` unless ``efa`` keeps them)."""
-    from smp2ds.translator.tools.launch_script import launch_spec
-    from smp2ds.translator.tools.sagemaker_paths import map_paths
-
     spec = launch_spec(launcher, "torchrun", entry_point)
     env, command = spec["env"], spec["command"]
     mapped: list[str] = []

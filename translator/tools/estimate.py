@@ -47,19 +47,13 @@ def estimate(
         from ..planner import plan as make_plan  # deferred: the planner imports many modules
 
         plan_or_config = make_plan(plan_or_config, layout)
-    topo_dict = plan_or_config.topology
-    ds = plan_or_config.deepspeed
-    topo = Topology(
-        pp=topo_dict["pipeline_parallel_degree"],
-        tp=topo_dict["tensor_parallel_degree"],
-        rdp=topo_dict["rdp_degree"],
-        placement=topo_dict["placement"],
-    )
-    rpn = int(topo_dict["ranks_per_node"])
-    shard = int(topo_dict["sharded_data_parallel_degree"])
-    steps = int(ds.get("gradient_accumulation_steps", 1))
-    half = ds.get("fp16", {}).get("enabled") or ds.get("bf16", {}).get("enabled")
-    width = 2 if half else 4
+    given, settings = plan_or_config.topology_settings, plan_or_config.engine_settings
+    topo = Topology(pp=given.pipeline_parallel_degree, tp=given.tensor_parallel_degree, rdp=given.rdp_degree,
+                    placement=given.placement)
+    rpn = given.ranks_per_node
+    shard = given.sharded_data_parallel_degree
+    steps = settings.microbatches
+    width = 4 if settings.precision.dtype == "fp32" else 2
     per_slice = float(n_params) / (topo.pp * topo.tp)
     copy = per_slice * width
     n = topo.rdp
@@ -86,7 +80,7 @@ def estimate(
     if shard > 1:
         schemes["mics"] = _mics(topo, shard, rpn, steps, copy, states, states_at(3, shard),
                                 bool(_hierarchical(plan_or_config)))
-    selected = "mics" if shard > 1 else {0: "ddp", 1: "zero1"}.get(ds["zero_optimization"]["stage"], "zero3")
+    selected = "mics" if shard > 1 else {0: "ddp", 1: "zero1"}.get(settings.zero_stage, "zero3")
     return {
         "n_params": float(n_params),
         "bytes_per_param_copy": width,

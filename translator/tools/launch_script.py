@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from smp2ds.translator.launcher import deepspeed_env_text, shell_name
+from smp2ds.translator.plan_types import LauncherSettings
 
 LAUNCH_TARGETS: dict[str, str] = {
     "torchrun": "torchrun",
@@ -26,24 +27,23 @@ names the DeepSpeed JSON config, so the deepspeed launcher's target says so in f
 NODE_RANK = "${NODE_RANK}"
 
 
-def launch_spec(launcher: Mapping[str, Any], target: str, entry_point: str | None = None) -> dict[str, Any]:
+def launch_spec(launcher: LauncherSettings, target: str, entry_point: str | None = None) -> dict[str, Any]:
     """What ``--to target --format json`` prints: the command (argv), env, files and where to run it."""
     key = LAUNCH_TARGETS[target]
-    nodes = int(launcher["nodes"])
-    command = _with_entry_point(list(launcher[key]), str(launcher["script"]), entry_point)
+    nodes = launcher.nodes
+    command = _with_entry_point(list(launcher.command(key)), launcher.script, entry_point)
     if nodes == 1:  # one node: its rank is 0, no variable to set
         command = ["0" if arg == NODE_RANK else arg for arg in command]
-    env = dict(launcher["env"])
+    env = dict(launcher.env)
     files: dict[str, str] = {}
     if key == "deepspeed" and nodes > 1:
-
-        files = {"hostfile": str(launcher["hostfile"]), ".deepspeed_env": deepspeed_env_text(env)}
+        files = {"hostfile": launcher.hostfile, ".deepspeed_env": deepspeed_env_text(env)}
     return {
         "launcher": key,
         "nodes": nodes,
-        "nproc_per_node": int(launcher["ranks_per_node"]),
-        "world_size": int(launcher["world_size"]),
-        "hosts": list(launcher["hosts"]),
+        "nproc_per_node": launcher.ranks_per_node,
+        "world_size": launcher.world_size,
+        "hosts": list(launcher.hosts),
         "run_on": "every node, NODE_RANK=0..N-1 (0 on the first host)"
         if key == "torchrun" and nodes > 1
         else "the first host",

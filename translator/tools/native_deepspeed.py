@@ -82,7 +82,7 @@ def native_config(plan: Plan, model_type: str | None = None, pipelines_by_hand: 
              f"DeepSpeed's data-parallel size {dp}: train_batch_size {micro * micro_batches * counted}"
              + (f" (DeepSpeed counts the {tp} AutoTP ranks of a group in its batch check, though they share rows)"
                 if tp > 1 else "")]
-    stage = int(plan.deepspeed.get("zero_optimization", {}).get("stage", 0))
+    stage = settings.zero_stage
     zero: dict[str, Any] = {"stage": stage}
     sdp = topo.sharded_data_parallel_degree
     if sdp > 1:
