@@ -582,6 +582,56 @@ def test_process_group_rules_golden(tmp_path, capsys):
     assert "    g0 = sm.get_world_process_group()  # smp2ds port: " in out.read_text()
 
 
+LOAD_TP_SCRIPT = '''import json
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import smdistributed.modelparallel.torch as smp
+
+
+def main():
+    smp.init()
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=True):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False))
+    model = smp.DistributedModel(model)
+    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+
+    @smp.step
+    def train_step(model, ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    ids = torch.arange(16).reshape(2, 8) % 64
+    start = model.state_dict()
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        losses.append(train_step(model, ids).reduce_mean().item())
+        optimizer.step()
+        if len(losses) == 2:
+            model.load_state_dict(start)  # back to the first weights, every AutoTP shard its part
+    print(json.dumps({"losses": losses}))
+
+
+main()
+'''
+
+
+@pytest.mark.slow
+def test_load_state_dict_under_autotp_gives_each_shard_its_part(tmp_path):
+    """tp 2 with AutoTP: after two Adam steps the whole start state dict is loaded back; the third step's loss (its
+    forward runs before that step's update) equals the first step's, so every shard holds its part of the loaded
+    weights again (a shard left as trained, or given the wrong rows, changes the loss)."""
+    code, out = _port(tmp_path, LOAD_TP_SCRIPT, {"ddp": True, "tensor_parallel_degree": 2})
+    assert code == 0, (tmp_path / "report.txt").read_text()
+    result = [json.loads(line) for line in _run_ported(tmp_path, out, launcher="torchrun").splitlines()
+              if line.startswith("{")][0]
+    first, second, third = result["losses"]
+    assert third == pytest.approx(first, rel=1e-6) and abs(second - first) > 1e-4
+
+
 def test_nested_smp_names_send_and_load_state_dict_arguments_are_marked(tmp_path, capsys):
     """``smp.nn.X(...)``, ``smp.amp.GradScaler()`` and a bare ``smp.nn.X`` are marked (nothing of SMP's is left
     unmarked); with ``smp.send`` in the script ``recv_from`` could match a send or a broadcast, so both are marked;
