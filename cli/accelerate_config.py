@@ -36,12 +36,28 @@ def deepspeed_json_path(yaml_path: str) -> str:
     return (stem if ext.lower() in (".yaml", ".yml") else yaml_path) + ".deepspeed.json"
 
 
+def _machines(plan: Plan) -> dict[str, Any]:
+    """The keys every accelerate config of ``plan`` has: its machines, processes and rendezvous."""
+    launcher = plan.launcher_settings
+    machines: dict[str, Any] = {
+        "machine_rank": 0,
+        "main_process_port": launcher.master_port,
+        "main_training_function": "main",
+        "num_machines": launcher.nodes,
+        "num_processes": launcher.world_size,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
+    if launcher.nodes > 1:
+        machines["main_process_ip"] = launcher.master_addr
+    return machines
+
+
 def accelerate_config(plan: Plan, deepspeed_json: str) -> dict[str, Any]:
     """The accelerate config (as a flat-ish dict) for ``plan``, pointing at ``deepspeed_json``."""
-    launcher = plan.launcher_settings
-    nodes = launcher.nodes
     stage = plan.engine_settings.zero_stage
-    config: dict[str, Any] = {
+    return {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "DEEPSPEED",
         "deepspeed_config": {
@@ -51,18 +67,8 @@ def accelerate_config(plan: Plan, deepspeed_json: str) -> dict[str, Any]:
             # ZeRO-3 builds Hugging Face models already partitioned (deepspeed.zero.Init)
             "zero3_init_flag": stage == 3,
         },
-        "machine_rank": 0,
-        "main_process_port": launcher.master_port,
-        "main_training_function": "main",
-        "num_machines": nodes,
-        "num_processes": launcher.world_size,
-        "rdzv_backend": "static",
-        "same_network": True,
-        "use_cpu": False,
+        **_machines(plan),
     }
-    if nodes > 1:
-        config["main_process_ip"] = launcher.master_addr
-    return config
 
 
 def to_yaml(mapping: Mapping[str, Any], indent: str = "") -> str:
@@ -113,9 +119,7 @@ def fsdp2_config(plan: Plan) -> dict[str, Any]:
     sizes = fsdp2_sizes(plan)
     if sizes is None:
         raise ValueError("the plan needs no FSDP2 mesh: use accelerate_config")
-    launcher = plan.launcher_settings
-    nodes = launcher.nodes
-    config: dict[str, Any] = {
+    return {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP",
         "fsdp_config": {
@@ -129,18 +133,8 @@ def fsdp2_config(plan: Plan) -> dict[str, Any]:
         },
         "parallelism_config": {f"parallelism_config_{k}": v for k, v in sizes.items()},
         "mixed_precision": _MIXED.get(plan.engine_settings.precision.dtype, "no"),
-        "machine_rank": 0,
-        "main_process_port": launcher.master_port,
-        "main_training_function": "main",
-        "num_machines": nodes,
-        "num_processes": launcher.world_size,
-        "rdzv_backend": "static",
-        "same_network": True,
-        "use_cpu": False,
+        **_machines(plan),
     }
-    if nodes > 1:
-        config["main_process_ip"] = launcher.master_addr
-    return config
 
 
 def render_fsdp2_yaml(plan: Plan, source: str) -> str:
