@@ -210,19 +210,21 @@ class Watchdog:
         """Publish where the main thread is; a verdict when it has waited in one collective too long."""
         forgotten = self._forgotten
         position, entry = stall.sample(self._main_thread)
+        # A call seen at one tick only is not held: the frame is kept (so that its identity stays unique) from the
+        # second tick that finds the same frame, i.e. for calls that already wait over a tick. Held frames are let
+        # go by this thread when their call returns (_release_finished_entry), which frees their locals here: a
+        # short call's tensors (a ZeRO-1 step's 2 GB gradient buffer) are never the watchdog's to free, so they go
+        # when the main thread drops them, and a per-thread allocator count (PyTorch's profiler) sees the free.
+        key = None if entry is None else (id(entry), entry.f_code)
+        held = entry is not None and entry is self._entry
+        if not held and (key is None or key != self._sighted):
+            entry = None  # not to be held: let go now, not after the store's round trip below
         self._store.set(f"pos/{self.rank}", position.to_json())
         now = time.monotonic()
         if forgotten != self._forgotten:
-            entry = None  # sampled before a step boundary: that call may have finished since
-        if entry is None or entry is not self._entry:
-            # A call seen at one tick only is not held: the frame is kept (so that its identity stays unique) from
-            # the second tick that finds the same frame, i.e. for calls that already wait over a tick. Held
-            # frames are let go by this thread when their call returns (_release_finished_entry), which frees
-            # their locals here: a short call's tensors (a ZeRO-1 step's 2 GB gradient buffer) are never the
-            # watchdog's to free, so they go when the main thread drops them, and a per-thread allocator count
-            # (PyTorch's profiler) sees the free.
-            key = None if entry is None else (id(entry), entry.f_code)
-            if key is not None and key == self._sighted:
+            entry, key, held = None, None, False  # sampled before a step boundary: that call may have finished
+        if not held:
+            if entry is not None:
                 self._entry = entry  # the second sighting: the wait started at the first
             else:
                 self._sighted, self._entry, self._entry_since = key, None, now
