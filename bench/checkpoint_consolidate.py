@@ -109,29 +109,14 @@ def write_checkpoint(folder: str, hidden: int, layers: int, vocab: int, position
     return params
 
 
-COLUMN = ("attention.query.", "attention.key.", "attention.value.", "output.dense1.")
-ROW = ("attention.dense.weight", "output.dense2.weight")
-
-
-def _piece(key: str, value, tp: int, rank: int):
-    """Rank ``rank``'s piece of a distributed-transformer tensor as the engine cuts it: query/key/value and
-    ``output.dense1`` split their output features (dim 0), ``attention.dense`` and ``output.dense2`` weights their
-    input features (dim 1); everything else whole on every rank."""
-    if tp == 1:
-        return value
-    if any(f".{c}" in key for c in COLUMN):
-        return value.chunk(tp, dim=0)[rank].clone()
-    if key.endswith(ROW):
-        return value.chunk(tp, dim=1)[rank].clone()
-    return value
-
-
 def write_smp_named(folder: str, hidden: int, layers: int, vocab: int, positions: int, tp: int = 1) -> int:
     """The same model in SMP's distributed-transformer names (``transformer.seq_layers.<i>.attention.query``, ...)
     at tp ``tp`` x pp 2, as a distributed-transformer run's partial files hold them; returns the parameter count."""
     import torch
 
+    from smp2ds.engine.checkpoint_tools.shard_rules import name_splits
     from smp2ds.engine.nn.huggingface.gpt2 import translate_hf_state_dict_to_smdistributed_gpt2_layer
+    from smp2ds.engine.nn.parallel.shards import ShardSpec
 
     part = os.path.join(folder, "bench_partial")
     os.makedirs(part, exist_ok=True)
@@ -155,9 +140,11 @@ def write_smp_named(folder: str, hidden: int, layers: int, vocab: int, positions
         if stage == 1:
             sd.update({"transformer.layernorm.weight": torch.ones(hidden), "transformer.layernorm.bias":
                        torch.zeros(hidden), "lm_head.weight": embedding})
+        # each rank's piece as the engine cuts the distributed transformer (the checkpoint reader's own rules)
+        splits = name_splits([k for k in sd if k != "_smp_is_partial"]) if tp > 1 else {}
         for rank in range(tp):
-            torch.save({k: _piece(k, v, tp, rank) if isinstance(v, torch.Tensor) else v for k, v in sd.items()},
-                       os.path.join(part, f"model_{stage}_{rank}.pt"))
+            torch.save({k: ShardSpec(split.dim, tp, split.blocks).local(v, rank) if (split := splits.get(k)) else v
+                        for k, v in sd.items()}, os.path.join(part, f"model_{stage}_{rank}.pt"))
         del sd
     torch.save({"pipeline_parallel_degree": 2, "tensor_parallel_degree": tp}, os.path.join(part, "smp_config.pt"))
     return params

@@ -211,6 +211,7 @@ def _draw(args: argparse.Namespace, result: Plan) -> None:
 DEFAULT_PARAMS = 1_000_000_000
 """Without ``--params`` the estimate is shown for 1e9 parameters (it scales linearly)."""
 
+
 def _estimate(result: Plan, params: int | None, source: str | None = None) -> dict[str, Any]:
     """Call the translator's estimator (formulas of docs/internals.md#cost-model) and make it JSON."""
 

@@ -30,6 +30,7 @@ from .report import human_bytes, table
 SEQ_HYPERPARAMETERS = ("max_context_width", "seq_length", "max_seq_length", "seq_len", "block_size", "max_length")
 """Hyperparameter names SMP-era scripts use for the sequence length, looked up in this order."""
 
+
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
     """The flags of the memory estimate (``--model`` and ``--seq-len`` are explain's own)."""
     parser.add_argument("--memory", action="store_true",
@@ -178,6 +179,7 @@ _HELD = {"persistent": "", "step": " [update only]", "backward": " [forward and 
          "reduce": " [at the last reduce-scatter only]", "transient": ""}
 """When a formula part is held (``StatePart.phase``), for people."""
 
+
 def render_memory_text(report: Mapping[str, Any]) -> str:
     """The per-role table for people."""
 
@@ -228,6 +230,7 @@ class Candidate:
     step: dict[str, Any]
     """``tools/step_time.py``'s estimate: seconds, terms, the deciding term."""
 
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -238,6 +241,7 @@ FIT_SHOWN = 5
 _SEARCHED = ("pipeline_parallel_degree", "partitions", "tensor_parallel_degree", "microbatches", "active_microbatches",
              "shard_optimizer_state", "sharded_data_parallel_degree")
 """Keys ``--fit`` chooses; the configuration's other keys are kept as given."""
+
 
 def _candidate_params(given: Mapping[str, Any], world: int, batch: int) -> Iterator[dict[str, Any]]:
     keep = {k: v for k, v in given.items() if k not in _SEARCHED}

@@ -22,6 +22,7 @@ VSCODE_FILE_MATCH: dict[str, list[str]] = {
 }
 """File name patterns the ``--vscode`` snippet maps to each schema (users adapt them)."""
 
+
 def schema_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """Register ``schema`` (or build a standalone parser when ``subparsers`` is None)."""
     description = (

@@ -13,6 +13,7 @@ stated tolerance. The rules, the markers, the report, formatting and the exit co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -679,7 +680,7 @@ def test_allgather_keeps_smp_groups_on_autotp_mesh(tmp_path, capsys):
     RDP_GROUP is ranks 1 and 3, its TP_GROUP ranks 0 and 1, the world all four."""
     _, out = _port(tmp_path, TP_SCRIPT, {"ddp": True, "tensor_parallel_degree": 2})
     helpers = out.read_text().split("from transformers import LlamaForCausalLM\n")[1].split("\ndef main")[0]
-    namespace: dict = {"os": os, "torch": torch, "__file__": str(out), "dist": _FakeWorld(1, 4)}
+    namespace: dict = {"contextlib": contextlib, "os": os, "torch": torch, "__file__": str(out), "dist": _FakeWorld(1, 4)}
     exec(compile(helpers, str(out), "exec"), namespace)  # the helper block the port wrote, as it wrote it
     gather = namespace["_smp_allgather"]
     assert gather("x", "rdp") == [1, 3] and gather("x", "tp") == [0, 1] and gather("x") == [0, 1, 2, 3]

@@ -235,19 +235,29 @@ def _smp_resume(engine, path, tag=None, partial=True, strict=True, load_optimize
     return (client_state or {{}}).get("user_content")
 
 
-def _smp_load_state_dict(engine, state_dict, strict=True):
-    """SMP's model.load_state_dict(): the whole model under its own names, the same on every rank, loaded into the
-    engine's module (ZeRO-3's partitions and AutoTP's shards take their part when the gather ends; a collective);
-    the optimizer's fp32 copies of the weights (ZeRO, fp16) are refreshed from them, as SMP's are."""
+@contextlib.contextmanager
+def _smp_whole(engine, modifier_rank=None):
+    """The engine's module, whole on every rank inside (ZeRO-3's partitions and AutoTP's shards gathered; a
+    collective: every rank calls it, as with SMP); with modifier_rank, what that rank wrote into it becomes every
+    rank's part again when it ends (AutoTP cuts its shards again in any case)."""
     module = engine.module
     with contextlib.ExitStack() as gathered:
         if engine.zero_optimization_partition_weights():
-            gathered.enter_context(deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0))
+            gathered.enter_context(deepspeed.zero.GatheredParameters(list(module.parameters()),
+                                                                     modifier_rank=modifier_rank))
         if engine.autotp_size() > 1:
             from deepspeed.module_inject.layers import GatherReplacedLayerParams  # AutoTP's own gather and cut
 
             for sub in module.modules():
                 gathered.enter_context(GatherReplacedLayerParams(list(sub.parameters(recurse=False)), sub))
+        yield module
+
+
+def _smp_load_state_dict(engine, state_dict, strict=True):
+    """SMP's model.load_state_dict(): the whole model under its own names, the same on every rank, loaded into the
+    engine's module (ZeRO-3's partitions and AutoTP's shards take their part when the gather ends); the optimizer's
+    fp32 copies of the weights (ZeRO, fp16) are refreshed from them, as SMP's are."""
+    with _smp_whole(engine, modifier_rank=0) as module:
         result = module.load_state_dict(state_dict, strict=strict)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()
@@ -255,17 +265,8 @@ def _smp_load_state_dict(engine, state_dict, strict=True):
 
 
 def _smp_state_dict(engine):
-    """SMP's model.state_dict(): the whole model under its own names on every rank, copied to the CPU. ZeRO-3's
-    partitions and AutoTP's shards are gathered first (a collective: every rank calls it, as with SMP)."""
-    module = engine.module
-    with contextlib.ExitStack() as gathered:
-        if engine.zero_optimization_partition_weights():
-            gathered.enter_context(deepspeed.zero.GatheredParameters(list(module.parameters())))
-        if engine.autotp_size() > 1:
-            from deepspeed.module_inject.layers import GatherReplacedLayerParams  # AutoTP's own gather
-
-            for sub in module.modules():
-                gathered.enter_context(GatherReplacedLayerParams(list(sub.parameters(recurse=False)), sub))
+    """SMP's model.state_dict(): the whole model under its own names on every rank, copied to the CPU."""
+    with _smp_whole(engine) as module:
         return {{k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}}
 '''
 
