@@ -401,8 +401,8 @@ def memory_case(spec: dict) -> dict[str, Any]:
 
     import smdistributed.modelparallel.torch as smp
     from smp2ds.engine.memory import estimate_memory, load_model_source
-    from smp2ds.engine.memory.layout import step_shape
     from smp2ds.engine.memory.measure import LiveTensorBytes
+    from smp2ds.engine.memory.step_shape import step_shape
     from smp2ds.translator.normalize import normalize
     from smp2ds.translator.plan_types import Layout
     from smp2ds.translator.planner import plan

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from smp2ds.translator.issues import SMPConfigError
-from smp2ds.translator.layout import smallest_world
 from smp2ds.translator.load import load_document
 from smp2ds.translator.normalize import normalize
 from smp2ds.translator.plan_types import Layout, Plan, SMPConfig
 from smp2ds.translator.planner import plan
 from smp2ds.translator.tools import doctor as rules
+from smp2ds.translator.world_layout import smallest_world
 
 from . import UsageError, add_format_arg, command_parser, positive_int, report, write_stdout
 from .machine import detect_gpu_memory, detect_gpus

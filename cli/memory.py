@@ -112,7 +112,7 @@ def _estimate(source: Any, result: Plan, batch: int, seq: int, ckpt: bool, cache
     with _quiet_stdout():
         # torch and transformers load only with --memory / --fit (CLI start-up)
         from smp2ds.engine.memory import estimate_memory
-        from smp2ds.engine.memory.layout import step_shape  # as above
+        from smp2ds.engine.memory.step_shape import step_shape  # as above
 
         try:
             return estimate_memory(source, step_shape(result, batch_per_rank=batch, seq_len=seq,
@@ -372,7 +372,7 @@ def _model_state_floor(candidate_plan: Plan, n_params: int, batch: int, seq: int
     tensor-parallel and pipeline ranks; ``smp2ds.translator.model_state_bytes``); ValueError for a layout the
     estimate does not cover."""
     # torch loads only with --memory / --fit (CLI start-up)
-    from smp2ds.engine.memory.layout import step_shape
+    from smp2ds.engine.memory.step_shape import step_shape
 
     shape = step_shape(candidate_plan, batch_per_rank=batch, seq_len=seq, activation_checkpointing=False)
     half = _half(candidate_plan)

@@ -12,10 +12,10 @@ from typing import Any
 
 from smp2ds.translator import normalize, plan
 from smp2ds.translator.issues import SMPConfigError
-from smp2ds.translator.layout import resolve_layout, smallest_world
 from smp2ds.translator.load import load_document
 from smp2ds.translator.plan_types import Layout, Plan, SMPConfig
 from smp2ds.translator.validate import validate
+from smp2ds.translator.world_layout import resolve_layout, smallest_world
 
 from . import (
     EXIT_INVALID,

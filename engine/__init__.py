@@ -9,7 +9,7 @@ Nothing heavy is imported until ``smp.init()``: DeepSpeed loads on first use.
 
 from __future__ import annotations
 
-from smp2ds.engine import amp
+from smp2ds.engine.api import amp
 from smp2ds.engine import exceptions
 from smp2ds.engine import nn
 from smp2ds.engine.core.activation_checkpointing import checkpoint_sequential, set_activation_checkpointing
@@ -28,7 +28,7 @@ from smp2ds.engine.core.object_collectives import (
     send,
     tp_barrier,
 )
-from smp2ds.engine.creation import (
+from smp2ds.engine.api.creation import (
     delay_param_initialization,
     is_tracing,
     model_creation,

@@ -8,7 +8,6 @@ Public API: ``load_document``, ``parse_json_text``, ``validate``, ``normalize``,
 from __future__ import annotations
 
 from .issues import InputError, Issue, SMPConfigError
-from .layout import ResolvedLayout, resolve_layout  # noqa: E402
 
 # Imported eagerly on purpose: `validate` and `normalize` are also submodule names, and a lazy
 # attribute would be shadowed by the submodule as soon as anything imported it.
@@ -17,6 +16,7 @@ from .normalize import normalize  # noqa: E402
 from .plan_types import KeyNote, Layout, Plan, SMPConfig
 from .planner import plan  # noqa: E402
 from .validate import validate  # noqa: E402
+from .world_layout import ResolvedLayout, resolve_layout  # noqa: E402
 
 __all__ = [
     "InputError",

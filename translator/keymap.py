@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .bf16_settings import bf16_note, bf16_path
-from .layout import params_pointer
 from .plan_types import Fate, KeyNote, SMPConfig
 from .tensor_parallel import TP_ENGINE, TP_WITH_SDP_UNSUPPORTED, runs
+from .world_layout import params_pointer
 
 Condition = Callable[[Mapping[str, Any], Any], bool]
 

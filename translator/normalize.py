@@ -19,7 +19,6 @@ from typing import Any
 
 from .document import Document, read_document
 from .issues import Issue, SMPConfigError
-from .layout import check_world, resolve_layout
 from .load import resolve_parameters_file
 from .plan_types import Layout, SMPConfig
 from .schema_check import SCHEMA_FOR_KIND, schema_issues
@@ -32,6 +31,7 @@ from .semantics import (
     v1_defaults,
     v2_defaults,
 )
+from .world_layout import check_world, resolve_layout
 
 _NOT_OBJECT = "expected a JSON object: SMP parameters, an estimator `distribution` dict or an estimator spec"
 

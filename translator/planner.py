@@ -20,7 +20,6 @@ from .ds_compat import CLIPPING_DEFAULT_NOTE, check_deepspeed_config
 from .engine_settings import DataParallelSettings, EngineSettings, PlacementSettings, ProcessGroupSettings
 from .issues import Issue, SMPConfigError
 from .launcher import launcher_section
-from .layout import ResolvedLayout, check_world, params_pointer, resolve_layout
 from .megatron import megatron_section
 from .normalize import fixups
 from .pipeline_schedule import PartitionSettings, PipelineSection, choose_schedule
@@ -30,6 +29,7 @@ from .semantics import resolve_v1
 from .sharded_data import engine_mics
 from .tensor_parallel import engine_tensor_parallel, tensor_parallel_block
 from .topology import Topology, tensor_parallel_spread
+from .world_layout import ResolvedLayout, check_world, params_pointer, resolve_layout
 from .zero import top_level as zero_top_level
 from .zero import zero_block, zero_stage
 

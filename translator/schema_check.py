@@ -1,7 +1,7 @@
 """Schema validation with SMP's exact types, rendered as Issues that point into the user's document.
 
 ``schema_issues`` is the schema half of validation, used by normalize.py's ``analyse``; the
-cross-key rules are semantics.py's and the world-size arithmetic layout.py's. The public entry
+cross-key rules are semantics.py's and the world-size arithmetic world_layout.py's. The public entry
 point that runs all three is ``validate`` (validate.py).
 """
 

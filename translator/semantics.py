@@ -3,7 +3,7 @@
 Every rule lives here, reports an Issue at the pointer of the key that asks for something
 (``tensor_parallel_degree`` for "tp > 1 needs ddp"), prints the values involved and says how to
 fix it. Like SMP, a ``requires`` rule only fires when the key differs from its default.
-World-size arithmetic needs a layout and lives in layout.py.
+World-size arithmetic needs a layout and lives in world_layout.py.
 """
 
 from __future__ import annotations

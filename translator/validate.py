@@ -1,7 +1,7 @@
 """``validate(doc, layout)``: every problem of an SMP configuration at once, [] when it is valid.
 
 Schema problems (schema_check.py), cross-key rules (semantics.py) and world-size arithmetic
-(layout.py) are collected by normalize.py's ``analyse``, the pass ``normalize`` shares; this
+(world_layout.py) are collected by normalize.py's ``analyse``, the pass ``normalize`` shares; this
 module only drops the config it builds.
 """
 

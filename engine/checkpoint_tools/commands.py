@@ -10,16 +10,16 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from smp2ds.engine.checkpoint_tools import consolidate as consolidation
 from smp2ds.engine.checkpoint_tools import (
+    checkpoint_folder,
     dcp_export,
     hf_export,
     hf_naming,
     inspect_report,
-    layout,
     optimizer_state,
     universal_export,
 )
+from smp2ds.engine.checkpoint_tools import consolidate as consolidation
 from smp2ds.engine.checkpoint_tools import reshard as resharding
 from smp2ds.engine.exceptions import SMPCheckpointError, SMPInvalidArgumentError
 
@@ -62,7 +62,7 @@ def consolidate(path: str, out: str, fmt: str, tag: str | None, with_optimizer: 
                 err: TextIO | None = None) -> int:
     if fmt not in ("safetensors", "pt"):
         raise SMPInvalidArgumentError(f"--format {fmt!r}: allowed safetensors or pt")
-    found = layout.find(path, tag)
+    found = checkpoint_folder.find(path, tag)
 
     def work() -> str:
         update, bar = _progress(quiet, "consolidate")
@@ -83,7 +83,7 @@ def consolidate(path: str, out: str, fmt: str, tag: str | None, with_optimizer: 
     return _report("consolidate", work, quiet, err)
 
 
-def _optimizer(found: layout.CheckpointLayout) -> dict:
+def _optimizer(found: checkpoint_folder.CheckpointLayout) -> dict:
     reader = consolidation.ShardReader()
     return optimizer_state.consolidate_optimizer(found, consolidation.checked_plan(found, reader), reader)
 
@@ -101,7 +101,7 @@ def export(path: str, to: str, out_dir: str, tag: str | None, config: str | None
         raise SMPInvalidArgumentError("--names smp: only for --to dcp / deepspeed-universal (a Hugging Face "
                                       "directory holds Hugging Face's names)")
     hf_export.check_model_args(config, model_type)  # before reading the folder: a usage error comes first
-    found = layout.find(path, tag)
+    found = checkpoint_folder.find(path, tag)
     if to == "hf" and config is None and model_type is None:
         hf_export.check_model_args(config, model_type, hf_export.saved_config(found) is not None)
     translate = _translation(found, config, model_type, heads, names) if to != "hf" else None
@@ -119,8 +119,8 @@ def export(path: str, to: str, out_dir: str, tag: str | None, config: str | None
     return _report("export", work, quiet, err)
 
 
-def _translation(found: layout.CheckpointLayout, config: str | None, model_type: str | None, heads: int | None,
-                 names: str) -> Any:
+def _translation(found: checkpoint_folder.CheckpointLayout, config: str | None, model_type: str | None,
+                 heads: int | None, names: str) -> Any:
     """The SMP -> Hugging Face translator a DCP / universal export of ``found`` applies, or None (the checkpoint
     already holds the model's own names, or ``--names smp``); refused when the family cannot be told."""
     files = sorted(found.model_files.values())
@@ -149,7 +149,7 @@ def _translation(found: layout.CheckpointLayout, config: str | None, model_type:
 def reshard(path: str, out: str, tag: str | None, tp: int, pp: int, rdp: int | None, world: int | None,
             quiet: bool, err: TextIO | None = None, sdp: int | None = None) -> int:
     ranks = resharding.target_rdp(tp, pp, rdp, world)
-    found = layout.find(path, tag)
+    found = checkpoint_folder.find(path, tag)
 
     def work() -> str:
         files = resharding.reshard(found, out, tp, pp, ranks, sdp)

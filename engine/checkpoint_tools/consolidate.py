@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from smp2ds.engine.checkpoint_tools import sdp_layout, shard_rules
-from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout, Problem
+from smp2ds.engine.checkpoint_tools.checkpoint_folder import CheckpointLayout, Problem
 from smp2ds.engine.checkpoint_tools.reading import model_tensors
 from smp2ds.engine.checkpoint_tools.safetensors_stream import StreamWriter
 from smp2ds.engine.checkpoint_tools.shard_rules import Split

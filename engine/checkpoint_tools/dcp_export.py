@@ -20,8 +20,9 @@ Streaming: DCP plans from the tensors' shapes and dtypes (meta tensors stand in 
 weights) and asks for each tensor's bytes only when it writes it (:class:`_LazyPlanner`), one at a
 time (one writer thread), and each tensor goes to a file of its own: torch's ``FileSystemWriter`` keeps
 every tensor of a file referenced until the file is closed, so one file for the rank would hold the whole
-model at the end. The optimizer state is built first, whole, as ``consolidate --with-optimizer`` builds
-it. The directory is written under a temporary name and renamed into place.
+model at the end. The optimizer's moments are asked for the same way, one parameter's moment at a time
+(:class:`.optimizer_state.StateSource`; with Hugging Face names, one layer's moments at a time). The directory is
+written under a temporary name and renamed into place.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.checkpoint_tools import consolidate, hf_naming, optimizer_state
-from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
+from smp2ds.engine.checkpoint_tools.checkpoint_folder import CheckpointLayout
 from smp2ds.engine.exceptions import SMPInvalidArgumentError
 
 MODEL_KEY, OPTIM_KEY = "model", "optim"
@@ -77,16 +78,15 @@ def staged_output(out_dir: str) -> Iterator[str]:
         raise
 
 
-def optimizer_dict(optim: dict[str, Any]) -> dict[str, Any]:
-    """The consolidated optimizer state as ``get_optimizer_state_dict`` lays it out (``step`` a tensor)."""
-    state = {}
-    for name, values in optim["state"].items():
+def optimizer_dict(state: dict[str, dict[str, Any]], param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The optimizer state as ``get_optimizer_state_dict`` lays it out (``step`` a float32 0-d tensor)."""
+    out = {}
+    for name, values in state.items():
         entry = dict(values)
         if "step" in entry:
             entry["step"] = torch.tensor(float(entry["step"]), dtype=torch.float32)
-        state[name] = entry
-    groups = [{**g, "params": list(g["params"])} for g in optim["param_groups"]]
-    return {"state": state, "param_groups": groups}
+        out[name] = entry
+    return {"state": out, "param_groups": [{**g, "params": list(g["params"])} for g in param_groups]}
 
 
 def export(layout: CheckpointLayout, out_dir: str, translate: hf_naming.Translate | None = None) -> list[str]:
@@ -100,15 +100,16 @@ def export(layout: CheckpointLayout, out_dir: str, translate: hf_naming.Translat
     check_out_dir(out_dir, "--to dcp")
     reader = consolidate.ShardReader()
     entries = consolidate.checked_plan(layout, reader)
-    optim = (optimizer_state.consolidate_optimizer(layout, entries, reader) if layout.optimizer_files else None)
+    source = optimizer_state.state_source(layout, entries, reader) if layout.optimizer_files else None
     if translate is not None:
-        model, lazy, optim = _translated(entries, reader, optim, translate)
+        model, lazy, optim = _translated(entries, reader, source, translate)
     else:
-        model = {e.key: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in entries}
+        model = {e.key: _meta(e.shape, e.dtype) for e in entries}
         lazy = {f"{MODEL_KEY}.{e.key}": _producer(e, reader) for e in entries}
+        optim = _untranslated_optimizer(source, lazy) if source is not None else None
     state: dict[str, Any] = {MODEL_KEY: model}
     if optim is not None:
-        state[OPTIM_KEY] = optimizer_dict(optim)
+        state[OPTIM_KEY] = optim
     with staged_output(out_dir) as staging:
         # a file per tensor: the writer lets go of a tensor when its file closes (module docstring)
         writer = dcp.FileSystemWriter(staging, single_file_per_rank=False, thread_count=1)
@@ -118,6 +119,10 @@ def export(layout: CheckpointLayout, out_dir: str, translate: hf_naming.Translat
     return list(state)
 
 
+def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
 def _producer(entry: consolidate.Entry, reader: consolidate.ShardReader) -> Callable[[], torch.Tensor]:
     def make() -> torch.Tensor:
         reader.maybe_release()  # the previous tensor is written and dropped by now
@@ -125,26 +130,66 @@ def _producer(entry: consolidate.Entry, reader: consolidate.ShardReader) -> Call
     return make
 
 
-def _translated(entries: list[consolidate.Entry], reader: consolidate.ShardReader, optim: dict[str, Any] | None,
-                translate: hf_naming.Translate) -> tuple[dict, dict, dict[str, Any] | None]:
-    """(meta model state, lazy producers, optimizer state), all under Hugging Face's names; a producer translates
-    its unit when first asked and keeps that unit's tensors not yet written until another unit is asked for."""
-    by_key = {e.key: e for e in entries}
-    renaming = hf_naming.plan({e.key: (e.shape, e.dtype) for e in entries}, translate)
-    model = {key: torch.empty(shape, dtype=dtype, device="meta") for key, shape, dtype, _ in renaming.outputs}
-    held: dict[str, Any] = {"unit": None, "tensors": {}}
+def _moment_fqn(name: str, moment: str) -> str:
+    """DCP's flattened key of one moment (its nested keys joined by dots)."""
+    return f"{OPTIM_KEY}.state.{name}.{moment}"
 
-    def producer(key: str, unit: int) -> Callable[[], torch.Tensor]:
+
+def _untranslated_optimizer(source: optimizer_state.StateSource, lazy: dict[str, Callable[[], torch.Tensor]],
+                            ) -> dict[str, Any]:
+    """The optimizer state dict with meta moments, each registered in ``lazy`` to be read when written."""
+    def producer(name: str, moment: str) -> Callable[[], torch.Tensor]:
         def make() -> torch.Tensor:
-            if held["unit"] != unit or key not in held["tensors"]:
-                held["unit"], held["tensors"] = None, {}
-                reader.maybe_release()
-                held["tensors"] = renaming.translate_unit(
-                    unit, {k: consolidate.join(by_key[k], reader) for k in renaming.units[unit]})
-                held["unit"] = unit
-            # handed over, not kept: the unit shrinks as its tensors are written (DCP asks for each once)
-            return held["tensors"].pop(key)
+            source.release()  # the previous moment is written and dropped by now
+            return source.tensor(name, moment)
         return make
 
-    lazy = {f"{MODEL_KEY}.{key}": producer(key, unit) for key, _, _, unit in renaming.outputs}
-    return model, lazy, hf_naming.translate_optimizer(renaming, optim) if optim is not None else None
+    state = {}
+    for name, scalars in source.scalars.items():
+        state[name] = {**scalars, **{m: _meta(*spec) for m, spec in source.moments[name].items()}}
+        lazy.update({_moment_fqn(name, m): producer(name, m) for m in source.moments[name]})
+    return optimizer_dict(state, source.param_groups)
+
+
+def _translated(entries: list[consolidate.Entry], reader: consolidate.ShardReader,
+                source: optimizer_state.StateSource | None,
+                translate: hf_naming.Translate) -> tuple[dict, dict, dict[str, Any] | None]:
+    """(meta model state, lazy producers, optimizer state with meta moments), all under Hugging Face's names. A
+    producer translates its unit when first asked and keeps that unit's tensors not yet written until another unit
+    is asked for: a unit's weights, or all the moments of a unit's parameters (DCP writes a parameter's moments
+    one after the other)."""
+    by_key = {e.key: e for e in entries}
+    renaming = hf_naming.plan({e.key: (e.shape, e.dtype) for e in entries}, translate)
+    model = {key: _meta(shape, dtype) for key, shape, dtype, _ in renaming.outputs}
+    held: dict[str, Any] = {"unit": None, "tensors": {}}
+
+    def make_unit(unit: tuple[str, int]) -> dict[Any, torch.Tensor]:
+        kind, index = unit
+        if kind == MODEL_KEY:
+            reader.maybe_release()
+            return renaming.translate_unit(index, {k: consolidate.join(by_key[k], reader)
+                                                   for k in renaming.units[index]})
+        assert source is not None
+        source.release()
+        return {(key, m): tensor for m in moments for key, tensor in
+                hf_naming.unit_moments(renaming, index, source, m).items()}
+
+    def producer(unit: tuple[str, int], item: Any) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            if held["unit"] != unit or item not in held["tensors"]:
+                held["unit"], held["tensors"] = None, {}
+                held["tensors"], held["unit"] = make_unit(unit), unit
+            # handed over, not kept: the unit shrinks as its tensors are written (DCP asks for each once)
+            return held["tensors"].pop(item)
+        return make
+
+    lazy = {f"{MODEL_KEY}.{key}": producer((MODEL_KEY, unit), key) for key, _, _, unit in renaming.outputs}
+    if source is None:
+        return model, lazy, None
+    translated = hf_naming.plan_state(renaming, source)
+    moments: list[str] = sorted({m for values in source.moments.values() for m in values})
+    for key, values in translated.state.items():
+        for m, value in values.items():
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                lazy[_moment_fqn(key, m)] = producer((OPTIM_KEY, translated.unit_of[key]), (key, m))
+    return model, lazy, optimizer_dict(translated.state, translated.param_groups)

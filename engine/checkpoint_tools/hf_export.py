@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.checkpoint_tools import consolidate
-from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
+from smp2ds.engine.checkpoint_tools.checkpoint_folder import CheckpointLayout
 from smp2ds.engine.exceptions import SMPCheckpointError, SMPInvalidArgumentError, SMPUnsupportedError
 from smp2ds.engine.nn.huggingface.families import CONFIGS_FROM_SHAPES, EXPORTS
 

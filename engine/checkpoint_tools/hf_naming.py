@@ -19,11 +19,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from smp2ds.engine.exceptions import SMPCheckpointError, SMPUnsupportedError
+
+if TYPE_CHECKING:  # the annotation only: optimizer_state is the reading side, this module the naming side
+    from smp2ds.engine.checkpoint_tools.optimizer_state import StateSource
 
 _LAYER = re.compile(r"^(.*?\.seq_layers\.\d+\.)")
 Translate = Callable[[dict[str, Any]], dict[str, Any]]
@@ -89,36 +92,65 @@ def iter_translated(renaming: Renaming, load: Callable[[str], torch.Tensor]) -> 
         del out
 
 
-def translate_optimizer(renaming: Renaming, optim: dict[str, Any]) -> dict[str, Any]:
-    """``{"state", "param_groups"}`` by SMP name -> by Hugging Face name (moments translated, groups followed)."""
-    group_of = {name: g for g, group in enumerate(optim["param_groups"]) for name in group["params"]}
+@dataclass
+class TranslatedState:
+    """The optimizer state's plan under Hugging Face's names: what :func:`unit_moments` will produce."""
+
+    state: dict[str, dict[str, Any]]
+    """Hugging Face key -> its scalars (Adam's step) and each moment as a meta tensor (shape and dtype)."""
+    param_groups: list[dict[str, Any]]
+    """The source's groups, ``params`` by Hugging Face name."""
+    unit_of: dict[str, int]
+    """Hugging Face key -> the unit that produces its moments."""
+
+
+def plan_state(renaming: Renaming, source: StateSource) -> TranslatedState:
+    """Which Hugging Face parameters get which state, found without reading a moment.
+
+    Shapes come from translating meta tensors; the group of each translated parameter from translating each
+    source's group index (only when there is more than one group). A parameter joined from two groups is refused.
+    """
+    group_of = {name: g for g, group in enumerate(source.param_groups) for name in group["params"]}
     state: dict[str, dict[str, Any]] = {}
-    members: list[list[str]] = [[] for _ in optim["param_groups"]]
+    unit_of: dict[str, int] = {}
+    members: list[list[str]] = [[] for _ in source.param_groups]
     for index, unit in enumerate(renaming.units):
-        owned = [k for k in unit if k in optim["state"]]
+        owned = [k for k in unit if source.moments.get(k)]
         if not owned:
             continue
-        moments = [m for m, v in optim["state"][owned[0]].items() if isinstance(v, torch.Tensor) and v.dim()]
-        scalars = {m: v for m, v in optim["state"][owned[0]].items() if m not in moments}
-        translated = {m: renaming.translate_unit(index, {k: optim["state"][k][m] for k in owned}) for m in moments}
-        groups = renaming.translate_unit(index, {k: _filled(optim["state"][k][moments[0]], group_of.get(k, 0))
-                                                 for k in owned}) if moments else {}
-        for key in (translated[moments[0]] if moments else {}):
+        keys = list(source.moments[owned[0]])
+        meta = {m: renaming.translate_unit(index, {k: _meta(*source.moments[k][m]) for k in owned}) for m in keys}
+        groups = (renaming.translate_unit(index, {k: _filled(source.moments[k][keys[0]][0], group_of.get(k, 0))
+                                                  for k in owned}) if len(source.param_groups) > 1 else None)
+        for key in meta[keys[0]]:
             if key in renaming.aliases:
                 continue
-            found = torch.unique(groups[key]).tolist()
+            found = torch.unique(groups[key]).tolist() if groups is not None else [group_of.get(owned[0], 0)]
             if len(found) != 1:
                 raise SMPUnsupportedError(
                     f"the Hugging Face parameter {key} joins parameters of optimizer parameter groups {found}; one "
                     "parameter has one group: export with --names smp to keep SMP's names")
+            scalars = source.scalars[owned[0]]
             state[key] = {**{m: v.clone() if isinstance(v, torch.Tensor) else v for m, v in scalars.items()},
-                          **{m: translated[m][key] for m in moments}}
+                          **{m: meta[m][key] for m in keys}}
+            unit_of[key] = index
             members[int(found[0])].append(key)
     groups_out = [{**{k: v for k, v in g.items() if k != "params"}, "params": names}
-                  for g, names in zip(optim["param_groups"], members)]
-    return {"state": state, "param_groups": groups_out}
+                  for g, names in zip(source.param_groups, members)]
+    return TranslatedState(state, groups_out, unit_of)
 
 
-def _filled(like: torch.Tensor, value: int) -> torch.Tensor:
-    """A tensor shaped as ``like`` holding ``value`` everywhere (uint8: one byte an element)."""
-    return torch.full(like.shape, value, dtype=torch.uint8)
+def unit_moments(renaming: Renaming, index: int, source: StateSource, moment: str) -> dict[str, torch.Tensor]:
+    """One moment of unit ``index``'s parameters under Hugging Face's names (a tied head's second name left out)."""
+    owned = [k for k in renaming.units[index] if source.moments.get(k)]
+    out = renaming.translate_unit(index, {k: source.tensor(k, moment) for k in owned}) if owned else {}
+    return {k: v for k, v in out.items() if k not in renaming.aliases}
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _filled(shape: tuple[int, ...], value: int) -> torch.Tensor:
+    """A tensor of ``shape`` holding ``value`` everywhere (uint8: one byte an element)."""
+    return torch.full(shape, value, dtype=torch.uint8)

@@ -7,9 +7,8 @@ import os
 from collections import Counter
 from typing import Any
 
-from smp2ds.engine.checkpoint_tools import consolidate
-from smp2ds.engine.checkpoint_tools import layout as layouts
-from smp2ds.engine.checkpoint_tools.layout import Problem
+from smp2ds.engine.checkpoint_tools import checkpoint_folder, consolidate
+from smp2ds.engine.checkpoint_tools.checkpoint_folder import Problem
 from smp2ds.engine.exceptions import SMPCheckpointError
 
 
@@ -21,7 +20,7 @@ def report(path: str, tag: str | None = None, tensors: bool = False) -> dict[str
     tensor-parallel ranks cut, or None).
     """
     try:
-        found = layouts.find(path, tag)
+        found = checkpoint_folder.find(path, tag)
     except SMPCheckpointError as exc:
         file, _, message = str(exc).partition(": ")
         return {"path": path, "complete": False, "problems": [{"file": file, "message": message or str(exc)}]}

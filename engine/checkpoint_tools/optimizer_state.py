@@ -12,20 +12,28 @@ Optimizer state sharded over data-parallel ranks (``optimizer_states_<pp>_<tp>_<
 DeepSpeed's flat partitions) is cut back into the same per-parameter state: sharded data
 parallelism (ZeRO-3) by :mod:`.zero_partitions`, ``shard_optimizer_state`` (ZeRO-1) by
 :mod:`.zero1_partitions`. 16-bit optimizer wrappers are refused with the reason.
+
+Streaming (:class:`StateSource`): the exports read the unsharded files memory-mapped and join one parameter's
+moment at a time, letting the mappings go every ``release_bytes`` read as the model files' reader does, so an
+export holds one tensor's state, not the model's. Only the checks and the scalars (Adam's step) are read up front.
+Sharded partitions are cut into per-parameter state whole (:func:`consolidate_optimizer`), a stage's files at once.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from smp2ds.engine.checkpoint_tools import zero1_partitions, zero_partitions
-from smp2ds.engine.checkpoint_tools.consolidate import Entry, ShardReader, join_pieces
-from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
+from smp2ds.engine.checkpoint_tools.checkpoint_folder import CheckpointLayout
+from smp2ds.engine.checkpoint_tools.consolidate import DEFAULT_RELEASE_BYTES, Entry, ShardReader, join_pieces
 from smp2ds.engine.checkpoint_tools.reading import load_weights
+from smp2ds.engine.checkpoint_tools.shard_rules import Split
 from smp2ds.engine.exceptions import SMPCheckpointError, SMPUnsupportedError
 
 
@@ -64,9 +72,10 @@ def torch_state(file: str) -> dict[str, Any]:
     return position_names(file)[0]
 
 
-def position_names(file: str) -> tuple[dict[str, Any], list[list[str]] | None]:
-    """(PyTorch's optimizer state dict in one unsharded file, the parameter names smp2ds recorded per group)."""
-    obj = load_weights(file, mmap=False, deepspeed_state=True)
+def position_names(file: str, mmap: bool = False) -> tuple[dict[str, Any], list[list[str]] | None]:
+    """(PyTorch's optimizer state dict in one unsharded file, the parameter names smp2ds recorded per group);
+    ``mmap``: its tensors mapped from the file, read when used."""
+    obj = load_weights(file, mmap=mmap, deepspeed_state=True)
     if not isinstance(obj, dict):
         raise SMPCheckpointError(f"{file}: expected an optimizer state dict, found a {type(obj).__name__}")
     meta = obj.get("smp2ds") if isinstance(obj.get("smp2ds"), dict) else {}
@@ -82,12 +91,14 @@ def position_names(file: str) -> tuple[dict[str, Any], list[list[str]] | None]:
     return sd, names if isinstance(names, list) else None
 
 
-def _named_stage(layout: CheckpointLayout, stage: int, rank: int,
-                 reader: ShardReader) -> tuple[dict, list, dict[str, list[str]]]:
-    """({name: state}, param_groups with names, {name: its aliases}) of one optimizer file."""
+def _named_stage(layout: CheckpointLayout, stage: int, rank: int, reader: ShardReader,
+                 open_state: Callable[[str], tuple[dict[str, Any], list[list[str]] | None]] = position_names,
+                 ) -> tuple[dict, list, dict[str, list[str]], dict[str, int]]:
+    """({name: state}, param_groups with names, {name: its aliases}, {name: its position}) of one optimizer file
+    (read by ``open_state``)."""
     file = layout.optimizer_files[(stage, rank, None)]
     model_file = layout.model_files[(stage, rank)]
-    sd, recorded = position_names(file)
+    sd, recorded = open_state(file)
     names = parameter_names(model_file, reader)
     positions = [i for group in sd["param_groups"] for i in group["params"]]
     group_of = {int(i): g for g, group in enumerate(sd["param_groups"]) for i in group["params"]}
@@ -124,7 +135,7 @@ def _named_stage(layout: CheckpointLayout, stage: int, rank: int,
         state[name] = values
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [by_position[i] for i in g["params"]]}
               for g in sd["param_groups"]]
-    return state, groups, names
+    return state, groups, names, {name: int(position) for position, name in by_position.items()}
 
 
 def partitioning(layout: CheckpointLayout) -> tuple[ModuleType, int]:
@@ -170,30 +181,147 @@ def _sharded_stage(layout: CheckpointLayout, stage: int, rank: int,
 
 def consolidate_optimizer(layout: CheckpointLayout, entries: list[Entry], reader: ShardReader) -> dict[str, Any]:
     """``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}`` for the whole model."""
-    if not layout.optimizer_files:
-        raise SMPCheckpointError(f"{layout.directory}: --with-optimizer, but the checkpoint holds no optimizer state")
+    return state_source(layout, entries, reader).materialize()
+
+
+def _consolidate_sharded(layout: CheckpointLayout, entries: list[Entry], reader: ShardReader) -> dict[str, Any]:
+    """:func:`consolidate_optimizer` of DeepSpeed's flat partitions, cut and joined whole."""
     by_key = {e.key: e for e in entries}
     state: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     taken: set[str] = set()
     for stage in range(layout.pp):
-        named = _sharded_stage if layout.optimizer_sharded else _named_stage
-        per_rank = [named(layout, stage, rank, reader) for rank in range(layout.tp)]
+        per_rank = [_sharded_stage(layout, stage, rank, reader) for rank in range(layout.tp)]
         aliases = per_rank[0][2]
         for name, values in per_rank[0][0].items():
             if any(a in state or a in taken for a in aliases[name]) or name not in by_key:
                 continue  # a tied parameter on a later stage: the first stage's state (the same values)
             taken.update(aliases[name])
-            joined = {}
-            for key, value in values.items():
-                if isinstance(value, torch.Tensor) and value.dim():
-                    joined[key] = join_pieces([per_rank[r][0][name][key] for r in range(layout.tp)],
-                                              by_key[name].split)
-                else:
-                    joined[key] = value.clone() if isinstance(value, torch.Tensor) else value
-            state[name] = joined
-        for index, group in enumerate(per_rank[0][1]):
-            if index == len(groups):
-                groups.append({**group, "params": []})
-            groups[index]["params"] += [n for n in group["params"] if n in state and n not in groups[index]["params"]]
+            state[name] = {key: join_pieces([per_rank[r][0][name][key] for r in range(layout.tp)],
+                                            by_key[name].split) if _is_moment(value)
+                           else value.clone() if isinstance(value, torch.Tensor) else value
+                           for key, value in values.items()}
+        _collect_groups(groups, per_rank[0][1], state)
     return {"state": state, "param_groups": groups}
+
+
+def _is_moment(value: Any) -> bool:
+    """A per-element state tensor (Adam's moments), as opposed to a scalar such as ``step``."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+class _MappedOptimizerFiles:
+    """Unsharded optimizer files, memory-mapped on first use and let go after ``release_bytes`` read."""
+
+    def __init__(self, release_bytes: int = DEFAULT_RELEASE_BYTES):
+        self.release_bytes = release_bytes
+        self._open: dict[str, dict[str, Any]] = {}
+        self._read = 0
+
+    def state_dict(self, file: str) -> tuple[dict[str, Any], list[list[str]] | None]:
+        if file not in self._open:
+            self._open[file] = dict(zip(("sd", "names"), position_names(file, mmap=True)))
+        return self._open[file]["sd"], self._open[file]["names"]
+
+    def moment(self, file: str, position: int, key: str) -> torch.Tensor:
+        tensor = self.state_dict(file)[0]["state"][position][key]
+        self._read += tensor.nbytes
+        return tensor
+
+    def maybe_release(self, force: bool = False) -> None:
+        if force or self._read >= self.release_bytes:
+            self._open.clear()
+            self._read = 0
+
+
+@dataclass
+class StateSource:
+    """A checkpoint's optimizer state by parameter name, each moment joined when asked for.
+
+    ``scalars`` and ``moments`` are known up front (read when the source is built, every file checked);
+    :meth:`tensor` joins one moment of one parameter over the tensor-parallel ranks. Call :meth:`release` when
+    no tensor it gave is referenced any more, so the mapped files can go.
+    """
+
+    param_groups: list[dict[str, Any]]
+    """The groups' hyperparameters, ``params`` their parameters' names (as :func:`consolidate_optimizer`)."""
+    scalars: dict[str, dict[str, Any]]
+    """name -> its state's scalars (``step``)."""
+    moments: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
+    """name -> {moment key: (full shape, dtype)}."""
+    _join: Callable[[str, str], torch.Tensor]
+    _release: Callable[[], None] = field(default=lambda: None)
+
+    def tensor(self, name: str, key: str) -> torch.Tensor:
+        """The full ``key`` moment of parameter ``name`` (a mapping of the file, or a joined copy)."""
+        return self._join(name, key)
+
+    def release(self) -> None:
+        """Let the mapped files go once enough was read (call with no tensor from :meth:`tensor` referenced)."""
+        self._release()
+
+    def materialize(self) -> dict[str, Any]:
+        """``{"state": {name: {...}}, "param_groups": [...]}``, every moment read."""
+        state = {name: {**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()},
+                        **{key: self.tensor(name, key) for key in self.moments[name]}}
+                 for name, scalars in self.scalars.items()}
+        return {"state": state, "param_groups": self.param_groups}
+
+
+def _whole_source(optim: dict[str, Any]) -> StateSource:
+    """A :class:`StateSource` over state already in memory."""
+    state = optim["state"]
+    return StateSource(
+        param_groups=optim["param_groups"],
+        scalars={n: {k: v for k, v in values.items() if not _is_moment(v)} for n, values in state.items()},
+        moments={n: {k: (tuple(v.shape), v.dtype) for k, v in values.items() if _is_moment(v)}
+                 for n, values in state.items()},
+        _join=lambda name, key: state[name][key])
+
+
+def state_source(layout: CheckpointLayout, entries: list[Entry], reader: ShardReader,
+                 release_bytes: int = DEFAULT_RELEASE_BYTES) -> StateSource:
+    """The optimizer state of ``layout`` as a :class:`StateSource`: streamed from unsharded files, built whole
+    from sharded partitions."""
+    if not layout.optimizer_files:
+        raise SMPCheckpointError(f"{layout.directory}: --with-optimizer, but the checkpoint holds no optimizer state")
+    if layout.optimizer_sharded:
+        return _whole_source(_consolidate_sharded(layout, entries, reader))
+    files = _MappedOptimizerFiles(release_bytes)
+    by_key = {e.key: e for e in entries}
+    where: dict[str, tuple[list[tuple[str, int]], Split | None]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    moments: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+    groups: list[dict[str, Any]] = []
+    taken: set[str] = set()
+    for stage in range(layout.pp):
+        per_rank = [_named_stage(layout, stage, rank, reader, files.state_dict) for rank in range(layout.tp)]
+        aliases = per_rank[0][2]
+        for name, values in per_rank[0][0].items():
+            if any(a in scalars or a in taken for a in aliases[name]) or name not in by_key:
+                continue  # a tied parameter on a later stage: the first stage's state (the same values)
+            taken.update(aliases[name])
+            entry = by_key[name]
+            where[name] = ([(layout.optimizer_files[(stage, r, None)], per_rank[r][3][name]) for r in
+                            range(layout.tp)], entry.split)
+            scalars[name] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()
+                             if not _is_moment(v)}
+            moments[name] = {k: (entry.shape, v.dtype) for k, v in values.items() if _is_moment(v)}
+        _collect_groups(groups, per_rank[0][1], scalars)
+        del per_rank
+        files.maybe_release(force=True)
+        reader.maybe_release()
+
+    def join(name: str, key: str) -> torch.Tensor:
+        pieces, split = where[name]
+        return join_pieces([files.moment(file, position, key) for file, position in pieces], split)
+
+    return StateSource(groups, scalars, moments, join, files.maybe_release)
+
+
+def _collect_groups(groups: list[dict[str, Any]], stage_groups: list[dict[str, Any]], owned: Any) -> None:
+    """Add one stage's parameter groups (by index) to the model's, keeping parameters that have state here."""
+    for index, group in enumerate(stage_groups):
+        if index == len(groups):
+            groups.append({**group, "params": []})
+        groups[index]["params"] += [n for n in group["params"] if n in owned and n not in groups[index]["params"]]

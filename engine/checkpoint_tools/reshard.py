@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from smp2ds.engine.checkpoint_tools import consolidate, optimizer_state
-from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
+from smp2ds.engine.checkpoint_tools.checkpoint_folder import CheckpointLayout
 from smp2ds.engine.checkpoint_tools.shard_rules import Split
 from smp2ds.engine.core import checkpoint_commit as commit
 from smp2ds.engine.core import checkpoint_format as fmt

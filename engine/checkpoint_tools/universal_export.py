@@ -20,8 +20,9 @@ rank cuts its own partition out of the full tensors, so any data-parallel size a
 it (stages 1 and 3 tested; tensor slicing for DeepSpeed's own tensor parallelism is not described).
 
 Streaming: the model's tensors are joined one at a time (:mod:`.consolidate`) and written as they
-come; the optimizer state is built first, whole, as ``consolidate --with-optimizer`` builds it.
-The folder is written under a temporary name and renamed into place.
+come, then each of their moments (:class:`.optimizer_state.StateSource`); with Hugging Face names, a unit (one
+layer) at a time. Only the checks and Adam's step are read before the first file is written. The folder is written
+under a temporary name and renamed into place.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from typing import Any
 import torch
 
 from smp2ds.engine.checkpoint_tools import consolidate, hf_naming, optimizer_state
+from smp2ds.engine.checkpoint_tools.checkpoint_folder import CheckpointLayout
 from smp2ds.engine.checkpoint_tools.dcp_export import check_out_dir, staged_output
-from smp2ds.engine.checkpoint_tools.layout import CheckpointLayout
 from smp2ds.engine.exceptions import SMPInvalidArgumentError, SMPUnsupportedError
 
 PARAM = "param"
@@ -42,18 +43,18 @@ PARAM = "param"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _step(optim: dict[str, Any], directory: str) -> torch.Tensor:
+def _step(source: optimizer_state.StateSource, directory: str) -> torch.Tensor:
     """The one Adam step all parameters share (DeepSpeed keeps one per parameter group)."""
-    steps = {float(s["step"]) for s in optim["state"].values() if "step" in s}
+    steps = {float(s["step"]) for s in source.scalars.values() if "step" in s}
     if len(steps) != 1:
         raise SMPUnsupportedError(f"{directory}: Adam steps {sorted(steps)} across parameters; DeepSpeed's universal "
                                   "format holds one step; allowed: Adam state with one common step")
     return torch.tensor(steps.pop(), dtype=torch.float32)
 
 
-def _check(optim: dict[str, Any], directory: str) -> None:
-    for name, state in optim["state"].items():
-        missing = [k for k in ("step", *MOMENTS) if k not in state]
+def _check(source: optimizer_state.StateSource, directory: str) -> None:
+    for name, scalars in source.scalars.items():
+        missing = [k for k in ("step", *MOMENTS) if k not in scalars and k not in source.moments[name]]
         if missing:
             raise SMPUnsupportedError(f"{directory}: the optimizer state of {name} has no {', '.join(missing)}; "
                                       "the universal format holds Adam state (step, exp_avg, exp_avg_sq)")
@@ -74,28 +75,42 @@ def export(layout: CheckpointLayout, out_dir: str, translate: hf_naming.Translat
                                       "weights only)")
     reader = consolidate.ShardReader()
     entries = consolidate.checked_plan(layout, reader)
-    optim = optimizer_state.consolidate_optimizer(layout, entries, reader)
-    tensors = consolidate.iter_tensors(entries, reader)
-    if translate is not None:
-        by_key = {e.key: e for e in entries}
-        renaming = hf_naming.plan({e.key: (e.shape, e.dtype) for e in entries}, translate)
-        optim = hf_naming.translate_optimizer(renaming, optim)
-        tensors = hf_naming.iter_translated(renaming, lambda k: consolidate.join(by_key[k], reader))
-    _check(optim, layout.directory)
-    step = _step(optim, layout.directory)
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optim["param_groups"]]
+    source = optimizer_state.state_source(layout, entries, reader)
+    _check(source, layout.directory)
+    step = _step(source, layout.directory)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in source.param_groups]
     tag = (layout.tag or "smp2ds").replace(os.sep, "_")
     with staged_output(out_dir) as staging:
         zero = os.path.join(staging, tag, "zero")
-        for key, tensor in tensors:
-            folder = os.path.join(zero, key)
-            _save({PARAM: tensor.to(torch.float32)}, os.path.join(folder, "fp32.pt"))
-            state = optim["state"].get(key)
-            if state is not None:
+
+        def write(key: str, what: str, tensor: torch.Tensor) -> None:
+            _save({PARAM: tensor.to(torch.float32)}, os.path.join(zero, key, f"{what}.pt"))
+
+        if translate is None:
+            for key, tensor in consolidate.iter_tensors(entries, reader):
+                write(key, "fp32", tensor)
+                del tensor
+                if source.moments.get(key):
+                    for moment in MOMENTS:
+                        write(key, moment, source.tensor(key, moment))
+                        source.release()
+                    _save(step.clone(), os.path.join(zero, key, "step.pt"))
+        else:
+            by_key = {e.key: e for e in entries}
+            renaming = hf_naming.plan({e.key: (e.shape, e.dtype) for e in entries}, translate)
+            translated = hf_naming.plan_state(renaming, source)  # refuses a parameter of two groups, before writing
+            for index, unit in enumerate(renaming.units):
+                weights = renaming.translate_unit(index, {k: consolidate.join(by_key[k], reader) for k in unit})
+                for key in list(weights):  # handed over one at a time: the unit shrinks as it is written
+                    write(key, "fp32", weights.pop(key))
+                reader.maybe_release()
                 for moment in MOMENTS:
-                    _save({PARAM: state[moment].to(torch.float32)}, os.path.join(folder, f"{moment}.pt"))
-                _save(step.clone(), os.path.join(folder, "step.pt"))
-            del tensor
+                    moments = hf_naming.unit_moments(renaming, index, source, moment)
+                    for key in list(moments):
+                        write(key, moment, moments.pop(key))
+                    source.release()
+                for key in (k for k, unit_index in translated.unit_of.items() if unit_index == index):
+                    _save(step.clone(), os.path.join(zero, key, "step.pt"))
         version = metadata.version("deepspeed")
         _save({"ds_version": version, "param_groups": groups,
                "optimizer_state_dict": {"state": {0: {"step": step.clone()}}, "param_groups": groups}},

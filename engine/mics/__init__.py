@@ -70,9 +70,9 @@ from smp2ds.engine.mics.allgather import (
     uninstall_hierarchical_allgather,
 )
 from smp2ds.engine.mics.gradsync import DeepSpeedInternalsChanged, check_stage3_internals, replica_allreduce
-from smp2ds.engine.mics.layout import HierarchicalPlan, MicsLayout, plan_hierarchical
 from smp2ds.engine.mics.mpu import ShardGroupMPU
 from smp2ds.engine.mics.param_creation import import_lazy_modules, mics_init_context
+from smp2ds.engine.mics.rank_arithmetic import HierarchicalPlan, MicsLayout, plan_hierarchical
 from smp2ds.engine.mics.shard_groups import MicsGroups
 from smp2ds.engine.mics.zero3 import (
     full_state_dict,

@@ -12,7 +12,7 @@ from typing import Any
 
 from smp2ds.engine.core import comm, launch_env
 from smp2ds.engine.core.process_groups import own_group
-from smp2ds.engine.mics.layout import MicsLayout
+from smp2ds.engine.mics.rank_arithmetic import MicsLayout
 from smp2ds.translator.topology import Topology
 
 

@@ -119,7 +119,7 @@ def estimated_roles(layout: str | dict[str, Any], ckpt: bool, config_path: str, 
                     seq: int = SEQ) -> list[dict[str, Any]]:
     """``smp2ds explain --memory``'s roles for the row, as dicts."""
     from smp2ds.engine.memory import estimate_memory, load_model_source
-    from smp2ds.engine.memory.layout import step_shape
+    from smp2ds.engine.memory.step_shape import step_shape
     from smp2ds.translator.normalize import normalize
     from smp2ds.translator.plan_types import Layout
     from smp2ds.translator.planner import plan

@@ -99,9 +99,8 @@ def test_the_optimizer_layout_is_get_optimizer_state_dicts(tmp_path):
     model(input_ids=xw.batch(0), labels=xw.batch(0), use_cache=False).loss.backward()
     opt.step()
     native = get_optimizer_state_dict(model, opt)
-    consolidated = {"state": {k: {**v, "step": int(v["step"])} for k, v in native["state"].items()},
-                    "param_groups": native["param_groups"]}
-    ours = optimizer_dict(consolidated)
+    consolidated = {k: {**v, "step": int(v["step"])} for k, v in native["state"].items()}
+    ours = optimizer_dict(consolidated, native["param_groups"])
     assert sorted(ours["state"]) == sorted(native["state"])
     for name, entry in native["state"].items():
         assert sorted(ours["state"][name]) == sorted(entry)

@@ -1,5 +1,5 @@
 """One home for the checkpoint file format: ``engine/core/checkpoint_format.py`` spells every name; the writer
-(``api/checkpoint.py``), the reader (``checkpoint_tools/layout.py``) and the resharder (``reshard.py``) build
+(``api/checkpoint.py``), the reader (``checkpoint_tools/checkpoint_folder.py``) and the resharder (``reshard.py``) build
 and parse names only through it, so a name changed there changes for all three."""
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def test_tensor_parallelism_replaces_other_models_layers_as_the_engine_does(tmp_
 
 
 def test_layouts_it_cannot_estimate_are_refused_with_the_reason(tmp_path, gpt2_dir):
-    from smp2ds.engine.memory.layout import step_shape
+    from smp2ds.engine.memory.step_shape import step_shape
     from smp2ds.translator.normalize import normalize
     from smp2ds.translator.plan_types import Layout
     from smp2ds.translator.planner import plan

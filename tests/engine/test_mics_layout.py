@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from smp2ds.engine.mics.layout import MicsLayout, plan_hierarchical
+from smp2ds.engine.mics.rank_arithmetic import MicsLayout, plan_hierarchical
 from smp2ds.translator.topology import Topology
 
 

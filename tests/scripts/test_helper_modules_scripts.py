@@ -68,7 +68,7 @@ def test_script_using_smp_helper_modules_matches_one_process(optimizer, paramete
 
 def test_lamb_and_novograd_follow_apex_formulas_step_by_step():
     """Two steps of each on two tensors, against apex's update written out with numpy."""
-    from smp2ds.engine.optimizers import FusedLAMB, FusedNovoGrad
+    from smp2ds.engine.api.optimizers import FusedLAMB, FusedNovoGrad
 
     g1 = [np.array([0.3, -0.4, 1.2]), np.array([[2.0, -1.0], [0.5, 0.25]])]
     g2 = [np.array([-0.1, 0.2, 0.05]), np.array([[0.3, 0.1], [-0.2, 0.4]])]

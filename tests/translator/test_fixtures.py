@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from smp2ds.translator.issues import SMPConfigError
-from smp2ds.translator.layout import resolve_layout
 from smp2ds.translator.load import load_document
 from smp2ds.translator.normalize import normalize
 from smp2ds.translator.plan_types import Layout
 from smp2ds.translator.validate import validate
+from smp2ds.translator.world_layout import resolve_layout
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "smp"
 

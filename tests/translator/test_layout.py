@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from smp2ds.translator.instances import gpus_for, known_instance_types, processes_for
-from smp2ds.translator.layout import ResolvedLayout, check_world, resolve_layout
 from smp2ds.translator.normalize import analyse, normalize
 from smp2ds.translator.plan_types import Layout
+from smp2ds.translator.world_layout import ResolvedLayout, check_world, resolve_layout
 
 P = "/distribution/smdistributed/modelparallel/parameters"
 

@@ -1,5 +1,5 @@
-"""``smp.amp`` (re-exported from ``smp2ds.engine.amp``)."""
+"""``smp.amp`` (re-exported from ``smp2ds.engine.api.amp``)."""
 
-from smp2ds.engine.amp import GradScaler
+from smp2ds.engine.api.amp import GradScaler
 
 __all__ = ["GradScaler"]
