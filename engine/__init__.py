@@ -94,7 +94,9 @@ def reset() -> None:
     """Forget the current model/optimizer so another ``DistributedModel`` can be created (SMP's ``smp.reset``); the
     tensor-parallel random streams start again from ``tensor_parallel_seed``."""
     state.reset()
-    state.rng_manager = parallel_context.restart_streams().tp.rng
+    context = parallel_context.restart_streams()
+    if state.runtime is not None:
+        state.runtime = state.runtime.with_context(context)
 
 
 __all__ = [

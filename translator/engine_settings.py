@@ -55,6 +55,9 @@ class DataParallelSettings:
     """Reduced data-parallel degree: world / (pp x tp)."""
     dp_degree: int = 1
     """Data-parallel degree: world / pp (tensor-parallel peers count)."""
+    ddp_api: bool = False
+    """SMP's ``ddp: true``: ``DistributedModel.module`` is its data-parallel wrapper and the data-parallel process
+    groups are exposed (``smp.get_dp_process_group()`` ...); without it SMP refuses them."""
 
 
 def _no_batch() -> BatchSettings:

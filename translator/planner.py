@@ -275,7 +275,8 @@ def _engine(
         process_group=ProcessGroupSettings(backend=params["ddp_dist_backend"], port=params.get("ddp_port")),
         # Replicas are data-parallel whatever SMP flag asked for them (ddp, or horovod on TF).
         data_parallel=DataParallelSettings(
-            enabled=bool(params["ddp"]) or topo.rdp > 1, rdp_degree=topo.rdp, dp_degree=topo.dp
+            enabled=bool(params["ddp"]) or topo.rdp > 1, rdp_degree=topo.rdp, dp_degree=topo.dp,
+            ddp_api=bool(params["ddp"]),
         ),
         batch=BatchSettings.of(batch, prescaled_batch=bool(params["prescaled_batch"]), source=resolved.batch_source),
         zero_stage=zero_stage(params),

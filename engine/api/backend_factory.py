@@ -37,7 +37,7 @@ import torch
 from smp2ds.engine.core.backend import Backend
 from smp2ds.engine.core.launch_env import LaunchEnv
 from smp2ds.engine.core.parameter_sharding import ParameterSharding
-from smp2ds.engine.core.state import State
+from smp2ds.engine.core.runtime import Runtime
 from smp2ds.engine.core.tensor_parallel_view import TensorParallelView
 from smp2ds.engine.exceptions import SMPInvalidArgumentError
 from smp2ds.translator.plan_types import Plan
@@ -48,7 +48,6 @@ if TYPE_CHECKING:  # the MiCS package is imported only when sharded data paralle
 
 # DistributedModel's is_distributed_* / is_scaled_batch_* queries read tensor parallelism's marks
 # (false everywhere when nothing is marked); a light module (torch only), so imported at once.
-from smp2ds.engine.nn.parallel import context as parallel_context
 from smp2ds.engine.nn.parallel import introspect as parameter_roles
 from smp2ds.engine.nn.parallel import marks
 from smp2ds.engine.nn.parallel.context import ParallelContext
@@ -57,12 +56,12 @@ from smp2ds.translator.backend_choice import BACKENDS
 __all__ = ["make_backend", "parameter_roles", "prepare_groups", "prepare_module"]
 
 
-def make_backend(module: torch.nn.Module, state: State) -> Backend:
-    """The backend the Plan names (``/engine/backend/name``, the planner's choice that ``smp2ds explain`` shows)."""
+def make_backend(module: torch.nn.Module, runtime: Runtime) -> Backend:
+    """The backend the Plan names (``/engine/backend/name``, the planner's choice that ``smp2ds explain`` shows),
+    built from ``runtime`` (``smp.init``'s) alone: its Plan, process groups, tensor-parallel context and MiCS
+    groups."""
     # Each return below is where mypy (.ci/typecheck) checks that backend class against the protocol.
-    state.require()
-    plan, groups = state.plan, state.groups
-    assert plan is not None and groups is not None  # smp.init sets both before `initialized`
+    plan, groups, context = runtime.plan, runtime.groups, runtime.context
     choice = plan.engine_settings.backend
     if choice.name not in BACKENDS:
         raise SMPInvalidArgumentError(f"the Plan's /engine/backend/name is {choice.name!r}; this engine has the "
@@ -75,7 +74,7 @@ def make_backend(module: torch.nn.Module, state: State) -> Backend:
         from smp2ds.engine.pipeline.backend import PipelineBackend  # start-up: DeepSpeed's pipeline package
 
         return PipelineBackend(module, plan=plan, groups=groups, microbatches=microbatches,
-                               tensor_parallel=_parallelize(module, parallel_context.installed()))
+                               tensor_parallel=_parallelize(module, context))
     from smp2ds.engine.data_parallel.backend import DataParallelBackend  # start-up: only when chosen
 
     plan_ds = dict(plan.deepspeed)
@@ -84,16 +83,19 @@ def make_backend(module: torch.nn.Module, state: State) -> Backend:
         from smp2ds.engine.mics.born_partitioned import sharding_around  # start-up: only when chosen
         from smp2ds.engine.mics.sharding import MicsSharding  # start-up: only when chosen
 
+        mics_groups = runtime.mics_groups
+        assert mics_groups is not None  # smp.init prepares them whenever the Plan enables MiCS (prepare_groups)
+
         view = None
         if settings.tensor_parallel.enabled:  # a model born partitioned is sharded block by block
-            view = _parallelize(module, parallel_context.installed(),
-                                around=sharding_around(module, plan_ds, microbatches, state.mics_groups))
-        sharding = MicsSharding(state.mics_groups, view)
+            view = _parallelize(module, context,
+                                around=sharding_around(module, plan_ds, microbatches, mics_groups))
+        sharding = MicsSharding(mics_groups, view)
     else:
         from smp2ds.engine.data_parallel.replicated import ReplicatedParameters  # start-up: with that backend
 
         rdp = (groups.coords.rdp_rank, groups.topology.rdp)  # where ZeRO-1 partitions the optimizer state
-        view = _parallelize(module, parallel_context.installed()) if settings.tensor_parallel.enabled else None
+        view = _parallelize(module, context) if settings.tensor_parallel.enabled else None
         sharding = ReplicatedParameters(rdp, mpu=view.deepspeed_mpu(groups) if view is not None else None,
                                         tensor_parallel=view)
     return DataParallelBackend(module, plan_ds, microbatches=microbatches, sharding=sharding)

@@ -26,6 +26,7 @@ from smp2ds.engine.api import torch_compile
 from smp2ds.engine.api.backend_factory import prepare_groups
 from smp2ds.engine.core import comm, launch_env
 from smp2ds.engine.core.process_groups import create_groups
+from smp2ds.engine.core.runtime import Runtime
 from smp2ds.engine.core.state import ConfigView, state
 from smp2ds.engine.core.version_check import installed_deepspeed, require_deepspeed
 from smp2ds.engine.diagnostics import failure_report as faults
@@ -117,8 +118,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         error = exc
     ddp_port = merged.get("ddp_port") if isinstance(merged.get("ddp_port"), int) else None
     launch = launch_env.detect(ddp_port=ddp_port)
-    state.launch = launch
-    _check_deepspeed_version()
+    _check_deepspeed_version(launch)
     if error is None:
         try:
             cfg, plan = _translate(merged, launch)
@@ -143,13 +143,13 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     _finish(cfg, plan, launch, backend)
 
 
-def _check_deepspeed_version() -> None:
+def _check_deepspeed_version(launch: launch_env.LaunchEnv) -> None:
     """An environment mistake, the same on every rank: rank 0 prints one line instead of a traceback per rank."""
     try:
         require_deepspeed(installed_deepspeed())
     except SMPUnsupportedError as exc:
         faults.mark_reported_once(exc, report_rank=0)
-        faults.install(state.launch.rank if state.launch is not None else 0)
+        faults.install(launch.rank)
         raise
 
 
@@ -191,16 +191,14 @@ def _finish(cfg: SMPConfig, plan: Plan, launch: launch_env.LaunchEnv, backend: s
 
     comm.init_deepspeed(backend)
     topology = _topology(plan, launch)
-    state.groups = create_groups(topology, launch.rank)
+    groups = create_groups(topology, launch.rank)
     # what smp.nn's building blocks are built in: the tensor-parallel group with its stream, the pipeline degree
-    context = parallel_context.from_groups(state.groups, plan.engine_settings.tensor_parallel)
+    context = parallel_context.from_groups(groups, plan.engine_settings.tensor_parallel)
     parallel_context.install(context)
-    state.rng_manager = context.tp.rng
-    state.mics_groups = prepare_groups(plan, topology, launch)
-    state.config, state.plan, state.launch, state.backend_name = cfg, plan, launch, backend
-    state.cfg = ConfigView(cfg, plan)
-    # SMP2DS_COMPILE: read and refused here, not at a step
-    state.compile_model = torch_compile.check_setting(plan.engine_settings.pipeline.enabled)
+    runtime = Runtime(config=cfg, plan=plan, launch=launch, groups=groups, context=context,
+                      mics_groups=prepare_groups(plan, topology, launch), backend_name=backend,
+                      # SMP2DS_COMPILE: read and refused here, not at a step
+                      compile_model=torch_compile.check_setting(plan.engine_settings.pipeline.enabled))
     os.environ.update(
         {"RANK": str(launch.rank), "WORLD_SIZE": str(launch.world_size), "LOCAL_RANK": str(launch.local_rank)}
     )
@@ -229,10 +227,10 @@ def _finish(cfg: SMPConfig, plan: Plan, launch: launch_env.LaunchEnv, backend: s
         ).start()
     faults.install(launch.rank)
     atexit.register(shutdown)
-    state.initialized = True
+    state.runtime = runtime  # smp.state.initialized from here on
     step_log.start_logging(plan, launch, backend)  # SMP2DS_LOG: rank-tagged lines, layout on rank 0
     if launch.rank == 0:
-        state.cfg.display_config()
+        ConfigView(cfg, plan).display_config()
 
 
 def _topology(plan: Plan, launch: launch_env.LaunchEnv) -> Topology:
@@ -245,9 +243,10 @@ def _topology(plan: Plan, launch: launch_env.LaunchEnv) -> Topology:
 def shutdown() -> None:
     """Stop the watchdog and destroy the process groups (SMP calls this at exit)."""
     wd, state.watchdog = state.watchdog, None
+    runtime = state.runtime
 
     def destroy() -> None:
-        if state.initialized:
+        if runtime is not None:
             # Collect unreachable objects first: a collective's work handle still held by a dead
             # reference cycle would otherwise be freed during interpreter teardown, after its
             # process group's threads, which can abort the process at exit.
@@ -257,15 +256,15 @@ def shutdown() -> None:
             except Exception:  # noqa: BLE001 - at exit; peers may be gone already
                 pass
 
-    if wd is not None:
-        rdp = state.launch.rendezvous
+    if wd is not None and runtime is not None:
+        rdp = runtime.launch.rendezvous
         # The store host (rank 0 with our own TCP store) must outlive the others' last store use.
-        hosts_store = rdp.kind == "tcp" and not rdp.agent_store and state.launch.rank == 0
+        hosts_store = rdp.kind == "tcp" and not rdp.agent_store and runtime.launch.rank == 0
         wd.stop(wait_for_peers=hosts_store, before_done=destroy)
     else:
         destroy()
     parallel_context.forget()
-    state.initialized = False
+    state.runtime = None
 
 
 def is_initialized() -> bool:

@@ -128,15 +128,17 @@ class DistributedModel(torch.nn.Module):
         if replaced and state.groups.rank == 0:
             _log.info("%s", distributed_transformer_note(replaced, context.tp.size))
         self.add_module("module", module)  # the `module` property returns SMP's wrapper chain
-        settings = state.plan.engine_settings
+        runtime = state.runtime
+        assert runtime is not None  # state.require() above
+        settings = runtime.plan.engine_settings
         object.__setattr__(self, "_wrapper_view", wrapper_views.wrapper_chain(
-            module, data_parallel=bool(state.cfg.ddp) and not settings.mics.enabled,
+            module, data_parallel=settings.data_parallel.ddp_api and not settings.mics.enabled,
             sixteen_bit=settings.precision.dtype != "fp32"))
         self.trace_device = trace_device
         self.backward_passes_per_step = backward_passes_per_step
         self.average_grads_across_microbatches = bool(average_grads_across_microbatches)
         self.ignored_arguments = _explain(kwargs)
-        object.__setattr__(self, "backend", make_backend(module, state))
+        object.__setattr__(self, "backend", make_backend(module, runtime))
         # SMP moved the tensors a step receives to the model's device (cuda:local_rank()); None on
         # the CPU, where inputs are left exactly as given (see device_placement).
         object.__setattr__(self, "_input_device", device_placement.step_input_device(

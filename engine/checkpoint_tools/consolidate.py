@@ -72,9 +72,9 @@ class ShardReader:
         self._read += tensor.nbytes
         return tensor
 
-    def maybe_release(self) -> None:
-        """Drop the mappings once enough was read (call with no piece still referenced)."""
-        if self._read >= self.release_bytes:
+    def maybe_release(self, force: bool = False) -> None:
+        """Drop the mappings once enough was read, or now with ``force`` (call with no piece still referenced)."""
+        if force or self._read >= self.release_bytes:
             self._open.clear()
             self._read = 0
 
@@ -159,7 +159,7 @@ def plan(layout: CheckpointLayout, reader: ShardReader | None = None) -> tuple[l
             elif previous.shape != entry.shape:
                 problems.append(Problem(files[0], f"{key} has shape {list(entry.shape)} here but "
                                         f"{list(previous.shape)} in {os.path.basename(previous.files[0])}"))
-    reader.maybe_release()
+    reader.maybe_release(force=True)  # the plan holds shapes only: the pages its comparisons read can go
     return list(entries.values()), problems
 
 

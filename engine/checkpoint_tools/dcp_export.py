@@ -164,13 +164,13 @@ def _translated(entries: list[consolidate.Entry], reader: consolidate.ShardReade
     held: dict[str, Any] = {"unit": None, "tensors": {}}
 
     def make_unit(unit: tuple[str, int]) -> dict[Any, torch.Tensor]:
-        kind, index = unit
+        kind, index = unit  # a unit's pieces are read once: the pages of the previous unit's can go
         if kind == MODEL_KEY:
-            reader.maybe_release()
+            reader.maybe_release(force=True)
             return renaming.translate_unit(index, {k: consolidate.join(by_key[k], reader)
                                                    for k in renaming.units[index]})
         assert source is not None
-        source.release()
+        source.release(force=True)
         return {(key, m): tensor for m in moments for key, tensor in
                 hf_naming.unit_moments(renaming, index, source, m).items()}
 

@@ -125,7 +125,8 @@ def plan_state(renaming: Renaming, source: StateSource) -> TranslatedState:
         for key in meta[keys[0]]:
             if key in renaming.aliases:
                 continue
-            found = torch.unique(groups[key]).tolist() if groups is not None else [group_of.get(owned[0], 0)]
+            found = (torch.bincount(groups[key].flatten(), minlength=len(source.param_groups)).nonzero().flatten()
+                     .tolist() if groups is not None else [group_of.get(owned[0], 0)])  # bincount: no sorted copy
             if len(found) != 1:
                 raise SMPUnsupportedError(
                     f"the Hugging Face parameter {key} joins parameters of optimizer parameter groups {found}; one "

@@ -250,15 +250,16 @@ class StateSource:
     moments: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
     """name -> {moment key: (full shape, dtype)}."""
     _join: Callable[[str, str], torch.Tensor]
-    _release: Callable[[], None] = field(default=lambda: None)
+    _release: Callable[[bool], None] = field(default=lambda force: None)
 
     def tensor(self, name: str, key: str) -> torch.Tensor:
         """The full ``key`` moment of parameter ``name`` (a mapping of the file, or a joined copy)."""
         return self._join(name, key)
 
-    def release(self) -> None:
-        """Let the mapped files go once enough was read (call with no tensor from :meth:`tensor` referenced)."""
-        self._release()
+    def release(self, force: bool = False) -> None:
+        """Let the mapped files go once enough was read, or now with ``force`` (call with no tensor from
+        :meth:`tensor` referenced)."""
+        self._release(force)
 
     def materialize(self) -> dict[str, Any]:
         """``{"state": {name: {...}}, "param_groups": [...]}``, every moment read."""
@@ -268,7 +269,7 @@ class StateSource:
         return {"state": state, "param_groups": self.param_groups}
 
 
-def _whole_source(optim: dict[str, Any]) -> StateSource:
+def whole_source(optim: dict[str, Any]) -> StateSource:
     """A :class:`StateSource` over state already in memory."""
     state = optim["state"]
     return StateSource(
@@ -286,7 +287,7 @@ def state_source(layout: CheckpointLayout, entries: list[Entry], reader: ShardRe
     if not layout.optimizer_files:
         raise SMPCheckpointError(f"{layout.directory}: --with-optimizer, but the checkpoint holds no optimizer state")
     if layout.optimizer_sharded:
-        return _whole_source(_consolidate_sharded(layout, entries, reader))
+        return whole_source(_consolidate_sharded(layout, entries, reader))
     files = _MappedOptimizerFiles(release_bytes)
     by_key = {e.key: e for e in entries}
     where: dict[str, tuple[list[tuple[str, int]], Split | None]] = {}
@@ -310,7 +311,7 @@ def state_source(layout: CheckpointLayout, entries: list[Entry], reader: ShardRe
         _collect_groups(groups, per_rank[0][1], scalars)
         del per_rank
         files.maybe_release(force=True)
-        reader.maybe_release()
+        reader.maybe_release(force=True)
 
     def join(name: str, key: str) -> torch.Tensor:
         pieces, split = where[name]

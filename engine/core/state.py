@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from smp2ds.engine.core.launch_env import LaunchEnv
+from smp2ds.engine.core.runtime import Runtime
 from smp2ds.engine.exceptions import DDPNotEnabledError, NotInitializedError
 from smp2ds.translator.plan_types import Plan, SMPConfig
 from smp2ds.translator.topology import Topology
 
 if TYPE_CHECKING:  # process_groups imports comm, which imports state: for the annotation only
     from smp2ds.engine.core.process_groups import ProcessGroups
+    from smp2ds.engine.diagnostics.watchdog import Watchdog
+    from smp2ds.engine.mics.shard_groups import MicsGroups
 
 log = logging.getLogger("smp2ds")
 
@@ -80,29 +83,27 @@ class ModuleManager:
     """(smp_to_hf, hf_to_smp) callables; read by transformers' ``save_pretrained``."""
     activation_checkpointing: weakref.WeakKeyDictionary[Any, dict] = field(default_factory=weakref.WeakKeyDictionary)
     """Module -> options from ``smp.set_activation_checkpointing``."""
+    gptneox_num_attention_heads: int | None = None
+    """The head count of the GPT-NeoX SMP's transformer replaced: what SMP's GPT-NeoX translators, whose
+    signatures take none, split and fuse q, k, v with."""
 
 
 class State:
-    """Everything ``smp.init`` creates plus the current model/optimizer (one per process)."""
+    """``smp.state``: the runtime ``smp.init`` built (:class:`~smp2ds.engine.core.runtime.Runtime`), and the
+    current model and optimizer with their step counters (one per process).
+
+    The runtime's facts are read through it, never stored twice: ``plan``, ``groups``, ``launch``,
+    ``mics_groups``, ``config``, ``backend_name`` and ``compile_model`` are its fields (None before ``smp.init``),
+    ``cfg`` SMP's view of its config, ``rng_manager`` its tensor-parallel context's random stream.
+    """
 
     def __init__(self) -> None:
-        self.initialized = False
-        self.cfg: ConfigView | None = None
-        self.config: SMPConfig | None = None
-        self.plan: Plan | None = None
-        self.launch: LaunchEnv | None = None
-        self.groups: ProcessGroups | None = None
-        self.backend_name: str | None = None
-        self.watchdog: Any = None
-        self.compile_model = False
-        """``SMP2DS_COMPILE=1``, as ``smp.init`` read it: DeepSpeed's ``engine.compile()`` before the first step."""
-        self.mics_groups: Any = None
-        self.rng_manager: Any = None
-        """SMP's ``smp.state.rng_manager``: the tensor-parallel group's random stream (``smp.init``, ``smp.reset``)."""
+        self.runtime: Runtime | None = None
+        self.watchdog: Watchdog | None = None
         self.reset()
 
     def reset(self) -> None:
-        """Forget model-specific state (SMP's ``smp.reset()``), keeping the process groups."""
+        """Forget model-specific state (SMP's ``smp.reset()``), keeping the runtime."""
         self.model: Any = None
         self.optimizer: Any = None
         self.microbatch = 0
@@ -111,6 +112,51 @@ class State:
         self.module_manager = ModuleManager()
         self.pending_model_load: Any = None
         self.pending_optimizer_load: Any = None
+
+    # ---- the runtime's facts -----------------------------------------------------------------
+    @property
+    def initialized(self) -> bool:
+        """Whether ``smp.init`` has run (and ``smp.shutdown`` has not)."""
+        return self.runtime is not None
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.runtime.plan if self.runtime is not None else None
+
+    @property
+    def groups(self) -> ProcessGroups | None:
+        return self.runtime.groups if self.runtime is not None else None
+
+    @property
+    def launch(self) -> LaunchEnv | None:
+        return self.runtime.launch if self.runtime is not None else None
+
+    @property
+    def mics_groups(self) -> MicsGroups | None:
+        return self.runtime.mics_groups if self.runtime is not None else None
+
+    @property
+    def config(self) -> SMPConfig | None:
+        return self.runtime.config if self.runtime is not None else None
+
+    @property
+    def backend_name(self) -> str | None:
+        return self.runtime.backend_name if self.runtime is not None else None
+
+    @property
+    def compile_model(self) -> bool:
+        """``SMP2DS_COMPILE=1``, as ``smp.init`` read it: DeepSpeed's ``engine.compile()`` before the first step."""
+        return self.runtime is not None and self.runtime.compile_model
+
+    @property
+    def cfg(self) -> ConfigView | None:
+        """SMP's ``smp.state.cfg``: attribute access to the config's keys."""
+        return ConfigView(self.runtime.config, self.runtime.plan) if self.runtime is not None else None
+
+    @property
+    def rng_manager(self) -> Any:
+        """SMP's ``smp.state.rng_manager``: the tensor-parallel group's random stream (``smp.init``, ``smp.reset``)."""
+        return self.runtime.context.tp.rng if self.runtime is not None else None
 
     # ---- convenience ---------------------------------------------------------------------
     @property
@@ -124,7 +170,8 @@ class State:
 
     def _process_group(self, kind: str) -> Any:
         self.require()
-        if not self.cfg.ddp and kind != "mp":
+        assert self.runtime is not None  # require() above
+        if not self.runtime.plan.engine_settings.data_parallel.ddp_api and kind != "mp":
             raise DDPNotEnabledError(
                 f"the {kind} process group exists only with the config key ddp: true (SMP semantics)"
             )

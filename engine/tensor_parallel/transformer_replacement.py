@@ -38,7 +38,6 @@ from smp2ds.engine.nn.huggingface.families import ENCODER_ARGUMENTS, LM_REPLACEM
 from smp2ds.engine.nn.huggingface.fresh import (
     fill_fresh,
     fresh_value,
-    generator,
     layer_norm_weights,
     with_fresh_weights,
 )
@@ -138,7 +137,7 @@ def to_distributed_transformer(hf: torch.nn.Module, context: ParallelContext) ->
     else:
         new = DistributedTransformerLMHead(**family.arguments(hf.config, settings), parallel_context=context)
         # weights Hugging Face never initialised (its init skipped by the script) are drawn afresh
-        weights, _ = with_fresh_weights(hf, hf.state_dict(), hf.config.initializer_range, tp.rng.seed)
+        weights, _ = with_fresh_weights(hf, hf.state_dict(), hf.config.initializer_range, tp.rng)
         new.to(device=weight.device, dtype=weight.dtype)
         load_full(new, head_as_built(new, family.translate(weights, hf.config)), tp)
     new.train(hf.training)
@@ -166,7 +165,7 @@ def stream_fresh_weights(hf: torch.nn.Module, new: torch.nn.Module, family: Any,
     whole, which are drawn in place). Every parameter of ``new`` must be written, or the replacement is refused."""
     own = new.state_dict(keep_vars=True)
     range_, norms = hf.config.initializer_range, layer_norm_weights(hf)
-    gen = generator(tp.rng.seed)
+    gen = tp.rng.fresh_generator()
     filled: set[str] = set()
     embedding: torch.Tensor | None = None
     params = {name for name, _ in hf.named_parameters(remove_duplicate=False)}

@@ -16,9 +16,7 @@ from smp2ds.engine.core import activation_checkpointing as ac
 from smp2ds.engine.core.activation_offload import get_offloader, offload_stats, reset_offload_stats
 from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import SMPInvalidArgumentError
-from smp2ds.translator.normalize import normalize
-from smp2ds.translator.plan_types import Layout
-from smp2ds.translator.planner import plan as make_plan
+from tests.engine.runtime_fixtures import single_rank_runtime
 
 WIDTHS = [8, 12, 16, 12, 10, 6, 4]  # block i maps WIDTHS[i] -> WIDTHS[i+1]
 BLOCKS = len(WIDTHS) - 1
@@ -266,10 +264,8 @@ def test_window_cap_holds_when_backward_skips_activations():
 
 
 def test_horizon_comes_from_the_running_plan(monkeypatch):
-    layout = Layout(world_size=1, gpus_per_node=1)
     params = {"offload_activations": True, "activation_loading_horizon": 3}
-    monkeypatch.setattr(state, "initialized", True)
-    monkeypatch.setattr(state, "plan", make_plan(normalize(params, layout), layout))
+    monkeypatch.setattr(state, "runtime", single_rank_runtime(params))
     assert ac.offload_horizon() == 3
     net = _make("wrapped", monkeypatch)
     seen = []
@@ -277,14 +273,14 @@ def test_horizon_comes_from_the_running_plan(monkeypatch):
     assert seen[0].max_prefetched_unconsumed == 3 and seen[0].bytes_offloaded == _expected_input_bytes()
     with ac.offload_activations(enabled=False):  # an explicit override wins over the config
         assert ac.offload_horizon() is None
-    monkeypatch.setattr(state, "plan", make_plan(normalize({"offload_activations": False}, layout), layout))
+    monkeypatch.setattr(state, "runtime", single_rank_runtime({"offload_activations": False}))
     assert ac.offload_horizon() is None
 
 
 # ---- (d) no offloading -------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["checkpoint", "sequential", "wrapped"])
 def test_plain_checkpointing_runs_no_pack_hooks(mode, monkeypatch):
-    monkeypatch.setattr(state, "initialized", False)  # no smp.init: no config asks for offloading
+    monkeypatch.setattr(state, "runtime", None)  # no smp.init: no config asks for offloading
     assert ac.offload_horizon() is None
     calls = []
     pack = get_offloader()._pack

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import smdistributed.modelparallel.torch as smp
+from smp2ds.engine.core.state import ModuleManager, state
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.nn.huggingface import gptneox as tr
 from smp2ds.engine.nn.parallel import marks
@@ -37,7 +38,7 @@ def batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_neox_translators_round_trip_exactly(monkeypatch):
-    monkeypatch.setattr(tr, "_replaced_heads", [])  # no GPT-NeoX replaced yet in this process
+    monkeypatch.setattr(state, "module_manager", ModuleManager())  # no GPT-NeoX replaced yet for this model
     sd = hf_neox(0).state_dict()
     smp_sd = tr.translate_hf_state_dict_to_smdistributed_gptneox(sd, 4)
     assert "transformer.seq_layers.1.attention.value.bias" in smp_sd and "lm_head.weight" in smp_sd
@@ -55,7 +56,7 @@ def test_smp_signatures_take_the_head_count_of_the_replaced_model(monkeypatch):
     """As SMP's GPT-NeoX example: build the model (replaced), then translate pretrained weights with
     ``translate_hf_state_dict_to_smdistributed_gptneox(state_dict)`` and save with
     ``translate_state_dict_to_hf_gptneox(state_dict, max_seq_len)``: no head count passed."""
-    monkeypatch.setattr(tr, "_replaced_heads", [])
+    monkeypatch.setattr(state, "module_manager", ModuleManager())
     with marks.tensor_parallelism(fused_softmax=True):
         new = replace_marked(hf_neox(5), ParallelContext()).eval()
     pretrained = hf_neox(6).eval()

@@ -48,9 +48,7 @@ def test_no_engine_module_reads_the_plans_topology_by_key():
 
 
 SMP_SURFACE_READS = {
-    ("api/model.py", "ddp"): "SMP's ddp key decides what model.module is (its data-parallel wrapper)",
     ("api/checkpoint.py", "get_config_dict"): "the configuration a checkpoint records, as SMP's smp_config.pt did",
-    ("api/init.py", "display_config"): "SMP's start-up log of the configuration",
     ("api/hf_trainer_repairs.py", "prescaled_batch"): "the Trainer's own read, repaired where it reads it",
 }
 """The only reads of ``state.cfg`` (the SMP keys as scripts see them) inside the engine: each is SMP's own surface.

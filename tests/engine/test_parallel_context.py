@@ -17,6 +17,7 @@ from smp2ds.engine.nn.parallel.context import ParallelContext
 from smp2ds.engine.nn.parallel.group import SINGLE, TPGroup
 from smp2ds.engine.nn.parallel.modules import DistributedEmbedding, DistributedLinear
 from smp2ds.engine.nn.parallel.rng import RngManager
+from tests.engine.runtime_fixtures import single_rank_runtime
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 
@@ -26,12 +27,12 @@ def clean_contexts():
     """No installed context and no `using` block during the test; the process's own restored after."""
     from smp2ds.engine.core.state import state
 
-    saved = (context._contexts.installed, list(context._contexts.scoped), context._contexts.single, state.rng_manager)
+    saved = (context._contexts.installed, list(context._contexts.scoped), context._contexts.single, state.runtime)
     context._contexts.installed, context._contexts.scoped[:] = None, []
     try:
         yield
     finally:
-        context._contexts.installed, context._contexts.scoped[:], context._contexts.single, state.rng_manager = saved
+        context._contexts.installed, context._contexts.scoped[:], context._contexts.single, state.runtime = saved
 
 
 def two_ranks(rank: int, seed: int = 5) -> ParallelContext:
@@ -100,9 +101,12 @@ def test_smp_reset_restarts_the_stream_scripts_see_as_smp_state_rng_manager(clea
     import smdistributed.modelparallel.torch as smp
 
     context.install(two_ranks(0, seed=4))
+    smp.state.runtime = before = single_rank_runtime(context=context.installed())
+    assert smp.state.rng_manager is before.context.tp.rng
     context.resolve().tp.rng.init_generator()
     smp.reset()
-    assert smp.state.rng_manager is context.installed().tp.rng
+    assert smp.state.runtime is not before and smp.state.runtime.plan is before.plan  # the same run, a new stream
+    assert smp.state.rng_manager is context.installed().tp.rng is smp.state.runtime.context.tp.rng
     assert smp.state.rng_manager.init_generator().initial_seed() == 4  # the first draw again
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from packaging.version import Version
 
+from smp2ds.engine.core.state import ModuleManager, state
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.integrations import transformers_compat as compat
 from smp2ds.engine.nn.huggingface import gptneox as tr
@@ -55,7 +56,7 @@ def test_rotary_settings_reach_the_hf_model_and_are_read_back() -> None:
 
 
 def test_replaced_neox_with_non_default_rotary_gives_hf_logits_loss_and_gradients(monkeypatch) -> None:
-    monkeypatch.setattr(tr, "_replaced_heads", [])
+    monkeypatch.setattr(state, "module_manager", ModuleManager())
     with marks.tensor_parallelism(fused_softmax=True):
         net = _neox(4)
     ref = _neox(4)

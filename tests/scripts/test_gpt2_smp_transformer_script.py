@@ -69,20 +69,23 @@ def _reference(script, init: dict, ranks: int, clip: float | None = None,
 def _own_initial_weights(script, model_type: str, monkeypatch) -> dict:
     """The replaced model's fresh weights (Hugging Face names) built here in one process at tp 1 the way
     the script builds it: Hugging Face's init skipped, the first replacement of a process, seed 0."""
+    import dataclasses
+
     import transformers
 
-    from smp2ds.engine.nn.huggingface import fresh
     from smp2ds.engine.nn.parallel import marks
     from smp2ds.engine.nn.parallel.context import ParallelContext
+    from smp2ds.engine.nn.parallel.group import SINGLE
+    from smp2ds.engine.nn.parallel.rng import RngManager
     from smp2ds.engine.tensor_parallel.transformer_replacement import replace_marked
 
     monkeypatch.setattr(transformers.PreTrainedModel, "init_weights", lambda x: None)
-    monkeypatch.setattr(fresh, "_drawn", [0])
     try:
         with marks.tensor_parallelism(fused_softmax=True):
             hf = transformers.AutoModelForCausalLM.from_config(script.model_config(model_type))
         # one process, no tensor parallelism, tensor_parallel_seed SMP's default 0
-        return script.MODELS[model_type][2](replace_marked(hf, ParallelContext()).state_dict())
+        fresh_stream = ParallelContext(tp=dataclasses.replace(SINGLE, rng=RngManager(0)))  # nothing drawn from it yet
+        return script.MODELS[model_type][2](replace_marked(hf, fresh_stream).state_dict())
     finally:
         monkeypatch.undo()
 

@@ -24,8 +24,9 @@ A parameter with neither mark gets a fresh value: the distributed transformer's 
 N(0, ``initializer_range``) for weight matrices and embeddings, zeros for biases, ones for layer-norm
 weights (``use_normal_initialization`` has no effect: fresh weights are normal, as SMP's Hugging Face
 replacements asked). Values are drawn whole, in the Hugging Face model's parameter order, from a
-generator seeded with ``tensor_parallel_seed`` (and a per-process count of replaced models), so
-every rank and every tensor-parallel degree starts from the same full tensors. Values written into
+generator seeded with ``tensor_parallel_seed`` and the tensor-parallel stream's count of replaced models (which
+``smp.reset`` restarts with the stream), so every rank and every tensor-parallel degree starts from the same full
+tensors. Values written into
 such a model with a plain ``load_state_dict`` leave no mark and are not seen: load weights after
 ``smp.DistributedModel`` through the translate functions (as SMP's example does), or keep the init.
 """
@@ -37,12 +38,7 @@ from typing import Any
 
 import torch
 
-FRESH_STREAM = 1 << 32
-"""Offset of the fresh-weight seeds from ``tensor_parallel_seed`` (away from the distributed modules'
-own ``seed + n`` streams)."""
-
-_drawn = [0]
-"""Replaced models that drew fresh weights in this process (each draws from its own stream)."""
+from smp2ds.engine.nn.parallel.rng import RngManager
 
 
 def initialised(model: torch.nn.Module) -> dict[str, bool]:
@@ -56,14 +52,6 @@ def initialised(model: torch.nn.Module) -> dict[str, bool]:
                 key = f"{prefix}.{name}" if prefix else name
                 flags[key] = module_done or bool(getattr(param, "_is_hf_initialized", False))
     return flags
-
-
-def generator(seed: int) -> torch.Generator:
-    """The next replaced model's fresh-weight stream from ``tensor_parallel_seed`` ``seed`` (the same on every
-    rank)."""
-    gen = torch.Generator().manual_seed(seed + FRESH_STREAM + _drawn[0])
-    _drawn[0] += 1
-    return gen
 
 
 def layer_norm_weights(model: torch.nn.Module) -> set[str]:
@@ -95,15 +83,16 @@ def fresh_value(key: str, like: torch.Tensor, initializer_range: float, gen: tor
 
 
 def with_fresh_weights(model: torch.nn.Module, state_dict: Mapping[str, Any], initializer_range: float,
-                       seed: int) -> tuple[dict[str, Any], list[str]]:
+                       rng: RngManager) -> tuple[dict[str, Any], list[str]]:
     """``state_dict`` (the model's, Hugging Face names) with every parameter transformers neither
-    initialised nor loaded replaced by a fresh value drawn from :func:`generator` ``(seed)``, and the names
-    replaced (empty: nothing drawn, no stream used)."""
+    initialised nor loaded replaced by a fresh value drawn from ``rng``'s next fresh-weight stream
+    (:meth:`~smp2ds.engine.nn.parallel.rng.RngManager.fresh_generator`), and the names replaced (empty: nothing
+    drawn, no stream used)."""
     flags = initialised(model)
     skipped = [k for k in state_dict if not flags.get(k, True)]  # buffers are kept as they are
     if not skipped:
         return dict(state_dict), []
-    gen, norms = generator(seed), layer_norm_weights(model)
+    gen, norms = rng.fresh_generator(), layer_norm_weights(model)
     out = dict(state_dict)
     for key in skipped:
         out[key] = fresh_value(key, state_dict[key], initializer_range, gen, key in norms)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from smp2ds.engine.core.state import state
 from smp2ds.engine.exceptions import SMPUnsupportedError
 from smp2ds.engine.integrations.transformers_compat import rope_parameters
 from smp2ds.engine.nn.huggingface import count_layers, older_name, same_layout
@@ -40,20 +41,18 @@ _LAYER = {"input_layernorm": "attention.layernorm", "post_attention_layernorm": 
           "attention.dense": "attention.dense", "mlp.dense_h_to_4h": "output.dense1",
           "mlp.dense_4h_to_h": "output.dense2"}
 _QKV = ("query", "key", "value")
-_replaced_heads: list[int] = []
-"""``num_attention_heads`` of the last GPT-NeoX replaced by SMP's transformer (empty before any)."""
-
-
 def remember_num_attention_heads(heads: int) -> None:
-    """Called when a ``GPTNeoXForCausalLM`` is replaced: the translators' default head count."""
-    _replaced_heads[:] = [int(heads)]
+    """Called when a ``GPTNeoXForCausalLM`` is replaced: the head count SMP's head-count-free signatures use,
+    kept with the current model in ``smp.state.module_manager`` (``smp.reset`` forgets it)."""
+    state.module_manager.gptneox_num_attention_heads = int(heads)
 
 
 def _heads(given: int | None, fn: str, what: str) -> int:
     if given is not None:
         return int(given)
-    if _replaced_heads:
-        return _replaced_heads[0]
+    remembered = state.module_manager.gptneox_num_attention_heads
+    if remembered is not None:
+        return remembered
     raise ValueError(f"{fn}: num_attention_heads is needed to {what} (q, k, v per head): pass "
                      "num_attention_heads=, or replace a GPTNeoXForCausalLM first (smp.DistributedModel)")
 

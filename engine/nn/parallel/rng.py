@@ -5,8 +5,9 @@ activations there are replicated), whatever seeds the script gave each rank. Reg
 run on a separate CPU (and CUDA) generator state seeded from ``tensor_parallel_seed``, identical
 on every member, that advances only inside regions; the script's own stream is restored after.
 Fresh weights of distributed modules are drawn from ``init_generator``: seed
-``tensor_parallel_seed`` plus a per-process counter, so every rank (and every tensor-parallel
-degree) draws the same full tensor.
+``tensor_parallel_seed`` plus a counter of the stream's initialisations, so every rank (and every tensor-parallel
+degree) draws the same full tensor. A replaced Hugging Face model's weights that transformers neither initialised
+nor loaded are drawn from ``fresh_generator``, a second counter offset by :data:`FRESH_STREAM`.
 
 A stream belongs to a tensor-parallel group (:class:`~smp2ds.engine.nn.parallel.group.TPGroup` ``.rng``): the
 group ``smp.init`` builds carries the Plan's seed, and ``smp.reset()`` starts it afresh.
@@ -19,13 +20,18 @@ from collections.abc import Iterator
 
 import torch
 
+FRESH_STREAM = 1 << 32
+"""Offset of the fresh-weight seeds from ``tensor_parallel_seed`` (away from the distributed modules'
+own ``seed + n`` streams)."""
+
 
 class RngManager:
-    """The group's region stream and the counter of distributed-module initialisations."""
+    """The group's region stream and the counters of distributed-module initialisations and replaced models."""
 
     def __init__(self, seed: int) -> None:
         self.seed = int(seed)
         self._inits = 0
+        self._fresh_models = 0
         # the state torch.manual_seed(seed) gives the CPU generator, without touching the process's own
         self._cpu_state = torch.Generator().manual_seed(self.seed).get_state()
         self._cuda_state: torch.Tensor | None = None
@@ -55,4 +61,10 @@ class RngManager:
         """A generator for the next distributed module's fresh weights (same on every rank)."""
         gen = torch.Generator().manual_seed(self.seed + self._inits)
         self._inits += 1
+        return gen
+
+    def fresh_generator(self) -> torch.Generator:
+        """A generator for the next replaced model's fresh weights (same on every rank; each model its own)."""
+        gen = torch.Generator().manual_seed(self.seed + FRESH_STREAM + self._fresh_models)
+        self._fresh_models += 1
         return gen
