@@ -5,7 +5,7 @@ engine (``smp.DistributedModel``, ``smp.DistributedOptimizer``, Adam) under a co
 (``smp2ds.engine.memory.measure.LiveTensorBytes``, independent of the tracker the estimate uses), and each rank's
 peak is compared with ``smp2ds explain --memory``'s estimate for its role (pipeline stage). The process's peak RSS
 is shown as a second figure: it also holds the interpreter and the libraries, and the untouched pages of large
-empty buffers are not resident on CPU. The rank bodies and rows are ``tests/engine/memory_workers.py`` (the
+empty buffers are not resident on CPU. The rank bodies and rows are ``tests/engine/workers/memory_workers.py`` (the
 corrections they make to the measurement are explained there).
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python3 bench/memory_estimate_accuracy.py [--rows gpt2-ddp,llama-pp2-ckpt]
@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from cpu_ranks import run  # noqa: E402
 
-from tests.engine import memory_workers as rows  # noqa: E402
+from tests.engine.workers import memory_workers as rows  # noqa: E402
 
 
 def _rank(rank: int, family: str, layout: str, ckpt: bool, path: str, batch: int = rows.BATCH,

@@ -43,14 +43,25 @@ from smp2ds.engine.exceptions import SMPInvalidArgumentError
 MODEL_KEY, OPTIM_KEY = "model", "optim"
 
 
-def _planner(lazy: dict[str, Callable[[], torch.Tensor]]) -> Any:
-    """A DCP save planner that makes the tensors of ``lazy`` (flattened key -> producer) on demand."""
+def _planner(lazy: dict[str, Callable[[], torch.Tensor]], order: dict[str, tuple[int, ...]] | None = None) -> Any:
+    """A DCP save planner that makes the tensors of ``lazy`` (flattened key -> producer) on demand, writing them in
+    the order ``order`` gives (flattened key -> sort key; others first, as DCP planned them)."""
+    import dataclasses
+
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class _LazyPlanner(DefaultSavePlanner):
         def resolve_data(self, write_item: Any) -> Any:
             make = lazy.get(write_item.index.fqn)
             return make() if make is not None else super().resolve_data(write_item)
+
+        def finish_plan(self, new_plan: Any) -> Any:
+            plan = super().finish_plan(new_plan)
+            if not order:
+                return plan
+            # stable: DCP's own order within a sort key; the metadata names each item's file, not its position
+            items = sorted(plan.items, key=lambda item: order.get(item.index.fqn, ()))
+            return dataclasses.replace(plan, items=items)
 
     return _LazyPlanner()
 
@@ -101,8 +112,9 @@ def export(layout: CheckpointLayout, out_dir: str, translate: hf_naming.Translat
     reader = consolidate.ShardReader()
     entries = consolidate.checked_plan(layout, reader)
     source = optimizer_state.state_source(layout, entries, reader) if layout.optimizer_files else None
+    order: dict[str, tuple[int, ...]] = {}
     if translate is not None:
-        model, lazy, optim = _translated(entries, reader, source, translate)
+        model, lazy, optim = _translated(entries, reader, source, translate, order)
     else:
         model = {e.key: _meta(e.shape, e.dtype) for e in entries}
         lazy = {f"{MODEL_KEY}.{e.key}": _producer(e, reader) for e in entries}
@@ -115,7 +127,7 @@ def export(layout: CheckpointLayout, out_dir: str, translate: hf_naming.Translat
         writer = dcp.FileSystemWriter(staging, single_file_per_rank=False, thread_count=1)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.save(state, storage_writer=writer, planner=_planner(lazy), no_dist=True)
+            dcp.save(state, storage_writer=writer, planner=_planner(lazy, order), no_dist=True)
     return list(state)
 
 
@@ -152,29 +164,30 @@ def _untranslated_optimizer(source: optimizer_state.StateSource, lazy: dict[str,
 
 
 def _translated(entries: list[consolidate.Entry], reader: consolidate.ShardReader,
-                source: optimizer_state.StateSource | None,
-                translate: hf_naming.Translate) -> tuple[dict, dict, dict[str, Any] | None]:
+                source: optimizer_state.StateSource | None, translate: hf_naming.Translate,
+                order: dict[str, tuple[int, ...]]) -> tuple[dict, dict, dict[str, Any] | None]:
     """(meta model state, lazy producers, optimizer state with meta moments), all under Hugging Face's names. A
     producer translates its unit when first asked and keeps that unit's tensors not yet written until another unit
-    is asked for: a unit's weights, or all the moments of a unit's parameters (DCP writes a parameter's moments
-    one after the other)."""
+    is asked for: a unit's weights, or one moment of a unit's parameters. DCP would write a parameter's moments one
+    after the other, so ``order`` is filled to have it write a unit's ``exp_avg`` of every parameter, then its
+    ``exp_avg_sq``: one moment of one unit is held at a time."""
     by_key = {e.key: e for e in entries}
     renaming = hf_naming.plan({e.key: (e.shape, e.dtype) for e in entries}, translate)
     model = {key: _meta(shape, dtype) for key, shape, dtype, _ in renaming.outputs}
     held: dict[str, Any] = {"unit": None, "tensors": {}}
 
-    def make_unit(unit: tuple[str, int]) -> dict[Any, torch.Tensor]:
-        kind, index = unit  # a unit's pieces are read once: the pages of the previous unit's can go
+    def make_unit(unit: tuple[str, int, str]) -> dict[str, torch.Tensor]:
+        kind, index, moment = unit
+        reader.maybe_release(force=True)  # a unit's pieces are read once: the previous unit's pages can go
+        if source is not None:
+            source.release(force=True)
         if kind == MODEL_KEY:
-            reader.maybe_release(force=True)
             return renaming.translate_unit(index, {k: consolidate.join(by_key[k], reader)
                                                    for k in renaming.units[index]})
         assert source is not None
-        source.release(force=True)
-        return {(key, m): tensor for m in moments for key, tensor in
-                hf_naming.unit_moments(renaming, index, source, m).items()}
+        return dict(hf_naming.unit_moments(renaming, index, source, moment))
 
-    def producer(unit: tuple[str, int], item: Any) -> Callable[[], torch.Tensor]:
+    def producer(unit: tuple[str, int, str], item: str) -> Callable[[], torch.Tensor]:
         def make() -> torch.Tensor:
             if held["unit"] != unit or item not in held["tensors"]:
                 held["unit"], held["tensors"] = None, {}
@@ -183,13 +196,15 @@ def _translated(entries: list[consolidate.Entry], reader: consolidate.ShardReade
             return held["tensors"].pop(item)
         return make
 
-    lazy = {f"{MODEL_KEY}.{key}": producer((MODEL_KEY, unit), key) for key, _, _, unit in renaming.outputs}
+    lazy = {f"{MODEL_KEY}.{key}": producer((MODEL_KEY, unit, ""), key) for key, _, _, unit in renaming.outputs}
     if source is None:
         return model, lazy, None
     translated = hf_naming.plan_state(renaming, source)
-    moments: list[str] = sorted({m for values in source.moments.values() for m in values})
+    moments = sorted({m for values in source.moments.values() for m in values})
     for key, values in translated.state.items():
         for m, value in values.items():
             if isinstance(value, torch.Tensor) and value.is_meta:
-                lazy[_moment_fqn(key, m)] = producer((OPTIM_KEY, translated.unit_of[key]), (key, m))
+                fqn, unit = _moment_fqn(key, m), translated.unit_of[key]
+                lazy[fqn] = producer((OPTIM_KEY, unit, m), key)
+                order[fqn] = (1, unit, moments.index(m))
     return model, lazy, optimizer_dict(translated.state, translated.param_groups)

@@ -8,7 +8,7 @@ block, sits on top of all of them. Two traces of neighbouring block counts give 
 any count follows exactly. Tracing the 80 blocks of a 70B model on fake tensors takes 8 to 30 seconds per layout on
 2 CPU cores; one and two blocks take about one (``bench/fit_search.py``), which is what lets ``--fit`` search a
 cluster's layouts. Scaled and whole traces are compared
-in ``tests/engine/test_memory_block_scaling.py``.
+in ``tests/engine/memory/test_memory_block_scaling.py``.
 """
 
 from __future__ import annotations

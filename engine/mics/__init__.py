@@ -56,7 +56,7 @@ Public surface (for the engine core; all collective calls must run on every rank
     with unsharded counterparts and ``fraction``.
 ``ShardGroupMPU(groups)``, ``replica_allreduce``, ``hierarchical_all_gather``: building blocks.
 
-DeepSpeed private attributes relied on (pinned by tests/engine/test_mics_internals.py):
+DeepSpeed private attributes relied on (pinned by tests/engine/mics/test_mics_internals.py):
 ``DeepSpeedZeroOptimizer_Stage3.averaged_gradients`` / ``fp16_groups`` /
 ``grad_partitions_flat_buffer`` / ``partition_grads`` / ``__param_id_to_grad_partition`` /
 ``backward_prologue``, ``partition_parameters._dist_allgather_fn``,

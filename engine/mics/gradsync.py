@@ -14,7 +14,7 @@ asynchronous all-reduce per reduce-scatter bucket, ``overlap.py``); ``step`` wai
 all-reduces only what it did not cover.
 
 Private DeepSpeed attributes relied on (checked by ``check_stage3_internals``, pinned by
-tests/engine/test_mics_internals.py): ``averaged_gradients`` (dict: sub-group index -> list of
+tests/engine/mics/test_mics_internals.py): ``averaged_gradients`` (dict: sub-group index -> list of
 partition tensors, filled by ``independent_gradient_partition_epilogue``), ``fp16_groups``,
 ``offload_optimizer``, and optionally ``grad_partitions_flat_buffer`` (the storage those tensors
 view; used to all-reduce in one call without a copy).

@@ -1,6 +1,6 @@
 """``smp2ds checkpoint``'s command line: registered, documented, and torch-free until it runs.
 
-What the actions do with real checkpoints is tested in ``tests/engine/test_checkpoint_tools*.py``.
+What the actions do with real checkpoints is tested in ``tests/engine/checkpoint_tools/``.
 """
 
 from __future__ import annotations

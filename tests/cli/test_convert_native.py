@@ -1,6 +1,6 @@
 """``convert --to deepspeed --native``: a plain DeepSpeed script's config at the job's layout, differences named.
 
-The run that proves such a config trains like SMP is in ``tests/engine/test_checkpoint_export_universal.py``; here
+The run that proves such a config trains like SMP is in ``tests/engine/checkpoint_tools/test_checkpoint_export_universal.py``; here
 each mapping and each refusal (with the route that works) is checked on the printed config.
 """
 

@@ -6,7 +6,7 @@ Slurm built with ``--enable-multiple-slurmd``), starts ``munged`` (with a key it
 script that ``smp2ds convert --to slurm --cpu`` wrote for ``examples/train_smp_mlp.py`` (unchanged; named by the
 estimator's ``source_dir`` and a relative ``entry_point``) with ``sbatch --wait``: the node taken whole
 (``--exclusive``, srun's one task with every CPU of it), srun starts torchrun on the node, torchrun the 2 ranks. The run must train and print the same final
-weights digest as plain ``torchrun`` with the same ``SM_HP_MP_PARAMETERS`` (as ``tests/engine/test_launchers.py``
+weights digest as plain ``torchrun`` with the same ``SM_HP_MP_PARAMETERS`` (as ``tests/engine/api/test_launchers.py``
 runs it), write its weights and checkpoint into the folders given to ``--output-dir`` / ``--checkpoint-dir``, and
 ``smp2ds launch`` inside ``srun`` must take its defaults from the allocation. Every daemon the test started is
 stopped in ``finally``. Needs root (slurmd starts job steps as their user) and Debian's ``slurm-wlm`` and
@@ -148,7 +148,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _plain_torchrun_argv() -> list[str]:
-    """The example under plain torchrun, as tests/engine/test_launchers.py runs it."""
+    """The example under plain torchrun, as tests/engine/api/test_launchers.py runs it."""
     return [_which("torchrun"), "--nproc-per-node", "2", "--master-port", str(_free_port()), str(SCRIPT),
             "--steps", str(STEPS), "--batch-size", str(BATCH), "--lr", str(LR)]
 

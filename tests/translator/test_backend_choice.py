@@ -1,6 +1,6 @@
 """The planner chooses the engine backend (``/engine/backend``) and ``smp2ds explain`` shows it.
 
-The engine's registry builds the backend the Plan names (``tests/engine/test_backend_contract.py``
+The engine's registry builds the backend the Plan names (``tests/engine/api/test_backend_contract.py``
 checks the names against the backend classes; the multi-rank tests check the built backend equals
 the Plan's choice), so these cases pin the choice per parallelism.
 """

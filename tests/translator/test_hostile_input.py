@@ -1,7 +1,7 @@
 """The CLI on hostile input: huge, deeply nested or malformed documents and bad environment knobs
 end quickly with exit 1 (or 2 for a bad knob) and a message naming the problem, never a
 RecursionError, a traceback or minutes of work. (The engine's timeout knobs are checked in
-tests/engine/test_faults_dist.py.)"""
+tests/engine/diagnostics/test_faults_dist.py.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checkpoint crash tests, run as real rank processes by tests/engine/test_checkpoint_atomic_dist.py.
+"""Checkpoint crash tests, run as real rank processes by tests/engine/core/test_checkpoint_atomic_dist.py.
 
 ``ckpt_fault.py save CKPT TAG2``: train 2 steps, save tag ``a`` (complete), train 2 more,
 write the expected states to ``CKPT.refs``, then save TAG2 with ``SMP2DS_FAULT_POINT`` set from

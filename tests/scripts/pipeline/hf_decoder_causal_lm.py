@@ -32,7 +32,7 @@ def make_model() -> torch.nn.Module:
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:
-    # eps 1e-6: see tests/engine/test_pipeline_hf_decoders_dist.py (rounding noise in zero gradients)
+    # eps 1e-6: see tests/engine/pipeline/test_pipeline_hf_decoders_dist.py (rounding noise in zero gradients)
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
 
 

@@ -1,3 +1,0 @@
-import sys as _s
-import smp2ds.engine.mics.rank_arithmetic as _m
-_s.modules[__name__] = _m  # TEMP shim while a benchmark runs
