@@ -182,10 +182,14 @@ def _translated(entries: list[consolidate.Entry], reader: consolidate.ShardReade
         if source is not None:
             source.release(force=True)
         if kind == MODEL_KEY:
-            return renaming.translate_unit(index, {k: consolidate.join(by_key[k], reader)
+            made = renaming.translate_unit(index, {k: consolidate.join(by_key[k], reader)
                                                    for k in renaming.units[index]})
+            reader.maybe_release(force=True)  # the pieces' pages: what the output still maps stays mapped
+            return made
         assert source is not None
-        return dict(hf_naming.unit_moments(renaming, index, source, moment))
+        made = dict(hf_naming.unit_moments(renaming, index, source, moment))
+        source.release(force=True)
+        return made
 
     def producer(unit: tuple[str, int, str], item: str) -> Callable[[], torch.Tensor]:
         def make() -> torch.Tensor:

@@ -101,14 +101,14 @@ def export(layout: CheckpointLayout, out_dir: str, translate: hf_naming.Translat
             translated = hf_naming.plan_state(renaming, source)  # refuses a parameter of two groups, before writing
             for index, unit in enumerate(renaming.units):
                 weights = renaming.translate_unit(index, {k: consolidate.join(by_key[k], reader) for k in unit})
+                reader.maybe_release(force=True)  # a unit's pieces are read once: the pages no output maps can go
                 for key in list(weights):  # handed over one at a time: the unit shrinks as it is written
                     write(key, "fp32", weights.pop(key))
-                reader.maybe_release(force=True)  # a unit's pieces are read once: their pages can go
                 for moment in MOMENTS:
                     moments = hf_naming.unit_moments(renaming, index, source, moment)
+                    source.release(force=True)
                     for key in list(moments):
                         write(key, moment, moments.pop(key))
-                    source.release(force=True)
                 for key in (k for k, unit_index in translated.unit_of.items() if unit_index == index):
                     _save(step.clone(), os.path.join(zero, key, "step.pt"))
         version = metadata.version("deepspeed")
