@@ -19,6 +19,8 @@ from smp2ds.engine.core.state import state
 _REPORT_ATTR = "smp2ds_report_rank"
 _COMM_WORDS = ("gloo", "nccl", "connection", "socket", "peer", "timed out", "timeout", "broken pipe")
 _installed = False
+_hook_rank = 0
+"""The rank the installed hook reports as (:func:`install`)."""
 _previous_hook = sys.excepthook
 
 
@@ -34,7 +36,7 @@ def looks_like_comm_failure(exc: BaseException) -> bool:
 
 
 def _hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-    rank = state.launch.rank if state.launch is not None else 0
+    rank = _hook_rank
     report_rank = getattr(exc, _REPORT_ATTR, None)
     wd = state.watchdog
     if report_rank is not None:
@@ -56,8 +58,10 @@ def _hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType |
 
 
 def install(rank: int) -> None:
-    """Install the excepthook once per process (``rank`` is read from the state at call time)."""
-    global _installed, _previous_hook
+    """Install the excepthook once per process; ``rank`` is the rank it reports as (a config error ends
+    ``smp.init`` before the runtime that knows the rank exists)."""
+    global _installed, _previous_hook, _hook_rank
+    _hook_rank = rank
     if _installed:
         return
     _previous_hook = sys.excepthook
