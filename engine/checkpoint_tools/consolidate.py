@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,25 +51,24 @@ class Entry:
         return n
 
 
-class ShardReader:
-    """Memory-mapped model files, opened on first use and let go after ``release_bytes`` read."""
+class MappedFiles:
+    """Files memory-mapped on first use (:meth:`_load`) and let go after ``release_bytes`` read through them: the
+    file pages this process keeps mapped (counted in its resident memory) stay bounded."""
 
     def __init__(self, release_bytes: int = DEFAULT_RELEASE_BYTES):
         self.release_bytes = release_bytes
-        self._open: dict[str, dict[str, torch.Tensor]] = {}
+        self._open: dict[str, Any] = {}
         self._read = 0
 
-    def tensors(self, file: str) -> dict[str, torch.Tensor]:
+    def _load(self, file: str) -> Any:
+        raise NotImplementedError
+
+    def _opened(self, file: str) -> Any:
         if file not in self._open:
-            tensors = model_tensors(file, mmap=True)
-            empty = [k for k, v in tensors.items() if v.numel() == 0]
-            if empty and os.path.basename(file) == SDP_MODEL:  # SMP's placeholders: values in the master weights
-                sdp_layout.fill_placeholders(os.path.dirname(file), tensors, empty)
-            self._open[file] = tensors
+            self._open[file] = self._load(file)
         return self._open[file]
 
-    def piece(self, file: str, key: str) -> torch.Tensor:
-        tensor = self.tensors(file)[key]
+    def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
         self._read += tensor.nbytes
         return tensor
 
@@ -77,6 +77,23 @@ class ShardReader:
         if force or self._read >= self.release_bytes:
             self._open.clear()
             self._read = 0
+
+
+class ShardReader(MappedFiles):
+    """Memory-mapped model files, opened on first use and let go after ``release_bytes`` read."""
+
+    def _load(self, file: str) -> dict[str, torch.Tensor]:
+        tensors = model_tensors(file, mmap=True)
+        empty = [k for k, v in tensors.items() if v.numel() == 0]
+        if empty and os.path.basename(file) == SDP_MODEL:  # SMP's placeholders: values in the master weights
+            sdp_layout.fill_placeholders(os.path.dirname(file), tensors, empty)
+        return tensors
+
+    def tensors(self, file: str) -> dict[str, torch.Tensor]:
+        return self._opened(file)
+
+    def piece(self, file: str, key: str) -> torch.Tensor:
+        return self._counted(self.tensors(file)[key])
 
 
 def _stage_keys(layout: CheckpointLayout, reader: ShardReader, stage: int,

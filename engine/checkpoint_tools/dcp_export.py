@@ -116,7 +116,7 @@ def export(layout: CheckpointLayout, out_dir: str, translate: hf_naming.Translat
     if translate is not None:
         model, lazy, optim = _translated(entries, reader, source, translate, order)
     else:
-        model = {e.key: _meta(e.shape, e.dtype) for e in entries}
+        model = {e.key: hf_naming.meta_tensor(e.shape, e.dtype) for e in entries}
         lazy = {f"{MODEL_KEY}.{e.key}": _producer(e, reader) for e in entries}
         optim = _untranslated_optimizer(source, lazy) if source is not None else None
     state: dict[str, Any] = {MODEL_KEY: model}
@@ -129,10 +129,6 @@ def export(layout: CheckpointLayout, out_dir: str, translate: hf_naming.Translat
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp.save(state, storage_writer=writer, planner=_planner(lazy, order), no_dist=True)
     return list(state)
-
-
-def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _producer(entry: consolidate.Entry, reader: consolidate.ShardReader) -> Callable[[], torch.Tensor]:
@@ -158,7 +154,7 @@ def _untranslated_optimizer(source: optimizer_state.StateSource, lazy: dict[str,
 
     state = {}
     for name, scalars in source.scalars.items():
-        state[name] = {**scalars, **{m: _meta(*spec) for m, spec in source.moments[name].items()}}
+        state[name] = {**scalars, **{m: hf_naming.meta_tensor(*spec) for m, spec in source.moments[name].items()}}
         lazy.update({_moment_fqn(name, m): producer(name, m) for m in source.moments[name]})
     return optimizer_dict(state, source.param_groups)
 
@@ -173,18 +169,16 @@ def _translated(entries: list[consolidate.Entry], reader: consolidate.ShardReade
     ``exp_avg_sq``: one moment of one unit is held at a time."""
     by_key = {e.key: e for e in entries}
     renaming = hf_naming.plan({e.key: (e.shape, e.dtype) for e in entries}, translate)
-    model = {key: _meta(shape, dtype) for key, shape, dtype, _ in renaming.outputs}
+    model = {key: hf_naming.meta_tensor(shape, dtype) for key, shape, dtype, _ in renaming.outputs}
     held: dict[str, Any] = {"unit": None, "tensors": {}}
 
     def make_unit(unit: tuple[str, int, str]) -> dict[str, torch.Tensor]:
         kind, index, moment = unit
-        reader.maybe_release(force=True)  # a unit's pieces are read once: the previous unit's pages can go
-        if source is not None:
-            source.release(force=True)
+        # a unit's pieces are read once: their pages go as soon as it is made (what the output maps stays mapped)
         if kind == MODEL_KEY:
             made = renaming.translate_unit(index, {k: consolidate.join(by_key[k], reader)
                                                    for k in renaming.units[index]})
-            reader.maybe_release(force=True)  # the pieces' pages: what the output still maps stays mapped
+            reader.maybe_release(force=True)
             return made
         assert source is not None
         made = dict(hf_naming.unit_moments(renaming, index, source, moment))

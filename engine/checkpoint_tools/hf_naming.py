@@ -73,7 +73,7 @@ def plan(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], translate: Tran
     """The renaming of a checkpoint whose full tensors have ``shapes`` (SMP key -> (shape, dtype))."""
     renaming = Renaming(translate, units(list(shapes)))
     for index, unit in enumerate(renaming.units):
-        meta = {k: torch.empty(shapes[k][0], dtype=shapes[k][1], device="meta") for k in unit}
+        meta = {k: meta_tensor(*shapes[k]) for k in unit}
         out = renaming.translate_unit(index, meta)
         seen: dict[int, str] = {}
         for key, tensor in out.items():
@@ -119,7 +119,8 @@ def plan_state(renaming: Renaming, source: StateSource) -> TranslatedState:
         if not owned:
             continue
         keys = list(source.moments[owned[0]])
-        meta = {m: renaming.translate_unit(index, {k: _meta(*source.moments[k][m]) for k in owned}) for m in keys}
+        meta = {m: renaming.translate_unit(index, {k: meta_tensor(*source.moments[k][m]) for k in owned})
+                for m in keys}
         groups = (renaming.translate_unit(index, {k: _filled(source.moments[k][keys[0]][0], group_of.get(k, 0))
                                                   for k in owned}) if len(source.param_groups) > 1 else None)
         for key in meta[keys[0]]:
@@ -148,7 +149,8 @@ def unit_moments(renaming: Renaming, index: int, source: StateSource, moment: st
     return {k: v for k, v in out.items() if k not in renaming.aliases}
 
 
-def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def meta_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor with ``shape`` and ``dtype`` and no storage (what a plan or DCP needs of it)."""
     return torch.empty(shape, dtype=dtype, device="meta")
 
 

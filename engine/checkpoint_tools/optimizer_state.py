@@ -31,7 +31,13 @@ import torch
 
 from smp2ds.engine.checkpoint_tools import zero1_partitions, zero_partitions
 from smp2ds.engine.checkpoint_tools.checkpoint_folder import CheckpointLayout
-from smp2ds.engine.checkpoint_tools.consolidate import DEFAULT_RELEASE_BYTES, Entry, ShardReader, join_pieces
+from smp2ds.engine.checkpoint_tools.consolidate import (
+    DEFAULT_RELEASE_BYTES,
+    Entry,
+    MappedFiles,
+    ShardReader,
+    join_pieces,
+)
 from smp2ds.engine.checkpoint_tools.reading import load_weights
 from smp2ds.engine.checkpoint_tools.shard_rules import Split
 from smp2ds.engine.exceptions import SMPCheckpointError, SMPUnsupportedError
@@ -210,28 +216,17 @@ def _is_moment(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-class _MappedOptimizerFiles:
+class _MappedOptimizerFiles(MappedFiles):
     """Unsharded optimizer files, memory-mapped on first use and let go after ``release_bytes`` read."""
 
-    def __init__(self, release_bytes: int = DEFAULT_RELEASE_BYTES):
-        self.release_bytes = release_bytes
-        self._open: dict[str, dict[str, Any]] = {}
-        self._read = 0
+    def _load(self, file: str) -> tuple[dict[str, Any], list[list[str]] | None]:
+        return position_names(file, mmap=True)
 
     def state_dict(self, file: str) -> tuple[dict[str, Any], list[list[str]] | None]:
-        if file not in self._open:
-            self._open[file] = dict(zip(("sd", "names"), position_names(file, mmap=True)))
-        return self._open[file]["sd"], self._open[file]["names"]
+        return self._opened(file)
 
     def moment(self, file: str, position: int, key: str) -> torch.Tensor:
-        tensor = self.state_dict(file)[0]["state"][position][key]
-        self._read += tensor.nbytes
-        return tensor
-
-    def maybe_release(self, force: bool = False) -> None:
-        if force or self._read >= self.release_bytes:
-            self._open.clear()
-            self._read = 0
+        return self._counted(self.state_dict(file)[0]["state"][position][key])
 
 
 @dataclass
