@@ -32,6 +32,7 @@ from smp2ds.translator.tools.kubernetes import job_name as k8s_name
 from smp2ds.translator.tools.launch_script import launch_spec, render_launch_script
 from smp2ds.translator.tools.sagemaker_paths import map_paths
 from smp2ds.translator.tools.slurm import check_sbatch_options, job_name, render_sbatch, slurm_spec
+from smp2ds.translator.tools.trainer_deepspeed import trainer_config
 
 from . import (
     EXIT_OK,
@@ -108,6 +109,10 @@ def convert_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     native.add_argument("--model-type", metavar="TYPE",
                         help="with --native: the model's Hugging Face model_type (e.g. llama, gpt2), to refuse "
                         "tensor parallelism for a family DeepSpeed's AutoTP refuses")
+    parser.add_argument("--trainer", action="store_true",
+                        help="with --to accelerate or --to deepspeed --native: the DeepSpeed JSON for a Hugging Face "
+                        "Trainer script: batch sizes, gradient accumulation and clipping \"auto\" (the Trainer "
+                        "fills them from its TrainingArguments and refuses a JSON that differs from them)")
     add_format_arg(parser)
     parser.set_defaults(handler=convert_command)
     return parser
@@ -132,6 +137,9 @@ def convert_command(args: argparse.Namespace) -> int:
                          f"not --to {args.to}")
     if args.model_type and not args.native:
         raise UsageError("--model-type is for --native (the AutoTP family check)")
+    if args.trainer and not (args.to == "accelerate" or args.native):
+        raise UsageError(f"--trainer shapes the DeepSpeed JSON of --to accelerate or --to deepspeed --native, not "
+                         f"--to {args.to}" + ("" if args.to != "deepspeed" else " without --native"))
 
 
     layout = layout_from_args(args)
@@ -242,14 +250,20 @@ def _write_accelerate(result: Plan, args: argparse.Namespace) -> int:
             write_stdout(report.dump_json({"accelerate_config": args.output}))
         else:
             sys.stderr.write(f"smp2ds convert: wrote accelerate config {args.output} (FSDP2, ParallelismConfig)\n")
+            if args.trainer:
+                sys.stderr.write("smp2ds convert: FSDP2 needs no DeepSpeed JSON: the Trainer takes batch sizes, "
+                                 "accumulation and clipping from its TrainingArguments as they are\n")
         return EXIT_OK
     ds_path = deepspeed_json_path(args.output)
-    write_atomically(ds_path, report.dump_json(result.deepspeed))
+    config, notes = trainer_config(result.deepspeed) if args.trainer else (result.deepspeed, [])
+    write_atomically(ds_path, report.dump_json(config))
     write_atomically(args.output, render_accelerate_yaml(result, ds_path, source_name(args.file)))
     if args.format == "json":
         write_stdout(report.dump_json({"accelerate_config": args.output, "deepspeed_config": ds_path}))
     else:
         sys.stderr.write(f"smp2ds convert: wrote accelerate config {args.output} -> DeepSpeed config {ds_path}\n")
+        for note in notes:
+            sys.stderr.write(f"smp2ds convert: {note}\n")
     return EXIT_OK
 
 
@@ -259,7 +273,10 @@ def _write_native(result: Plan, args: argparse.Namespace) -> int:
     from smp2ds.translator.tools.native_deepspeed import native_config
 
 
-    config, notes = native_config(result, args.model_type)
+    config, notes = native_config(result, args.model_type, batch_from_trainer=args.trainer)
+    if args.trainer:
+        config, trainer_notes = trainer_config(config)
+        notes = [*notes, *trainer_notes]
     text = report.dump_json({"deepspeed": config, "differences": notes} if args.format == "json" else config)
     if args.output:
         write_atomically(args.output, text)

@@ -36,6 +36,7 @@ SNAPSHOT: dict[str, dict[str, object]] = {
             "--sbatch",
             "--to{accelerate,deepspeed,deepspeed-launcher,kubernetes,launcher,megatron,mpirun,plan,slurm,torchrun}"
             "=deepspeed",
+            "--trainer",
             "--world-size",
             "-h/--help",
             "-o/--output",

@@ -65,3 +65,25 @@ def test_the_batch_is_needed_and_the_flags_belong_to_deepspeed(tmp_path, capsys)
     source = tmp_path / "smp.json"
     assert main(["convert", str(source), "--to", "torchrun", "--native"]) == 2
     assert "use them with --to deepspeed" in capsys.readouterr().err
+
+
+def test_trainer_mode_leaves_the_trainers_keys_auto_and_needs_no_batch(tmp_path, capsys):
+    """``--trainer``: the keys a Hugging Face Trainer fills from its arguments are "auto" (no --batch-size needed);
+    the layout stays the job's, and the clipping and precision SMP used are named as the flags to pass."""
+    params = {"ddp": True, "sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.5, "bf16": True}
+    code, out, err = _native(tmp_path, params, capsys, "--world-size", "4", "--trainer")
+    assert code == 0
+    config = json.loads(out)
+    assert {config[k] for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                "gradient_clipping")} == {"auto"}
+    assert config["zero_optimization"] == {"stage": 3, "zero_hpz_partition_size": 2}
+    assert config["bf16"]["enabled"] is True
+    assert "pass --max_grad_norm 0.5" in err and "pass --bf16" in err
+
+
+def test_trainer_mode_is_refused_where_no_deepspeed_json_is_written(tmp_path, capsys):
+    source = tmp_path / "smp.json"
+    source.write_text(json.dumps({"ddp": True}), encoding="utf-8")
+    assert main(["convert", str(source), "--trainer"]) == 2
+    assert ("--trainer shapes the DeepSpeed JSON of --to accelerate or --to deepspeed --native, not --to deepspeed "
+            "without --native") in capsys.readouterr().err

@@ -105,22 +105,30 @@ def _assert_matches_reference(result: dict, ref: dict, weights: dict[str, np.nda
         np.testing.assert_allclose(weights[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
 
 
-def test_plain_trainer_script_data_parallel_with_resume(tmp_path: Path, reference: dict) -> None:
+@pytest.fixture(scope="module")
+def smp_data_parallel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """The script under smp2ds: partitions 1, ddp, 2 ranks (its output folder, each rank's report)."""
+    out = tmp_path_factory.mktemp("smp_dp2") / "full"
+    return out, _smp_run(out, 1)
+
+
+def test_plain_trainer_script_data_parallel_with_resume(tmp_path: Path, reference: dict,
+                                                        smp_data_parallel: tuple[Path, list[dict]]) -> None:
     """partitions 1, ddp, 2 ranks: training, evaluation (gathered over the data-parallel group)
     and save_model match the plain run; checkpoint-2 holds SMP's optimizer file; a second launch
     resuming from it restores model and Adam state (step counters 2 + 2) and ends on the same
     weights as the uninterrupted run."""
-    full = _smp_run(tmp_path / "full", 1)
+    folder, full = smp_data_parallel
     for rank, r in enumerate(full):
         assert (r["world_size"], r["process_index"], r["device"]) == (2, rank, "cpu")
         assert (r["model_class"], r["optimizer_class"]) == ("DistributedModel", "DistributedOptimizer")
         assert r["parallel_mode"].endswith("SAGEMAKER_MODEL_PARALLEL") and r["optimizer_steps"] == [4]
         assert _stable(r["eval"]) == _stable(full[0]["eval"])
-    weights = _weights(tmp_path / "full" / "final")
+    weights = _weights(folder / "final")
     _assert_matches_reference(full[0], reference, weights)
-    assert "optimizer.pt_0_0.pt" in os.listdir(tmp_path / "full" / "checkpoint-2")
+    assert "optimizer.pt_0_0.pt" in os.listdir(folder / "checkpoint-2")
 
-    resumed = _smp_run(tmp_path / "resumed", 1, "--resume_from_checkpoint", str(tmp_path / "full" / "checkpoint-2"))
+    resumed = _smp_run(tmp_path / "resumed", 1, "--resume_from_checkpoint", str(folder / "checkpoint-2"))
     # steps 1-2 come with the checkpoint's trainer state, 3-4 are trained after the resume
     assert [h["step"] for h in _train_logs(resumed[0])] == [1, 2, 3, 4]
     np.testing.assert_allclose([h["loss"] for h in _train_logs(resumed[0])][2:],
@@ -175,6 +183,52 @@ def test_trainer_checkpoints_and_resumes_under_sharded_data_parallelism(tmp_path
     assert all(r["optimizer_steps"] == [4] for r in resumed)  # a fresh optimizer would count 2
     for key, value in _weights(tmp_path / "resumed" / "final").items():
         np.testing.assert_allclose(value, weights[key], rtol=0, atol=1e-7, err_msg=key)
+
+
+# ---- leaving SMP: the same script under accelerate, with the config `convert --to accelerate --trainer` wrote ----
+ACCELERATE_LAYOUTS = {
+    # id: (SMP parameters, the DeepSpeed ZeRO stage the converted config runs)
+    "dp2": ({}, 0),
+    "dp2-shard-optimizer-state": ({"shard_optimizer_state": True}, 1),
+}
+
+
+@pytest.mark.parametrize("layout", list(ACCELERATE_LAYOUTS))
+def test_trainer_script_under_accelerate_with_the_converted_config_trains_as_under_smp(
+        tmp_path: Path, reference: dict, smp_data_parallel: tuple[Path, list[dict]], layout: str) -> None:
+    """A team leaving SMP converts its job (``convert --to accelerate --trainer`` on 2 ranks) and runs the same
+    Trainer script with ``accelerate launch --config_file``, with no SMP environment and no smp2ds import: the
+    Trainer accepts the DeepSpeed JSON (its batch, accumulation and clipping "auto", filled from the script's
+    arguments, clipping at 1.0 active on step 1), DeepSpeed runs the ZeRO stage SMP asked for on 2 data-parallel
+    ranks, and the losses, learning rates, evaluation and saved model equal the plain single-process run and the
+    losses the run under smp2ds. DeepSpeed clips inside its step, so the Trainer logs no gradient norms."""
+    parameters, stage = ACCELERATE_LAYOUTS[layout]
+    smp_params = tmp_path / "smp_parameters.json"
+    smp_params.write_text(json.dumps({"partitions": 1, "microbatches": 2, "ddp": True, **parameters}))
+    config = tmp_path / "run.yaml"
+    from smp2ds.cli import main
+
+    assert main(["convert", str(smp_params), "--to", "accelerate", "--trainer", "--world-size", "2",
+                 "-o", str(config)]) == 0
+    deepspeed_json = json.loads((tmp_path / "run.deepspeed.json").read_text())
+    assert deepspeed_json["zero_optimization"]["stage"] == stage
+    assert {deepspeed_json[k] for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                        "gradient_accumulation_steps", "gradient_clipping")} == {"auto"}
+
+    out = tmp_path / "accelerate"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SM_")}
+    env.update(BASE_ENV, SMP2DS_SCRIPT_OUT=str(tmp_path), PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                           str(SCRIPT), "--output_dir", str(out), "--per_device_train_batch_size",
+                           str(GLOBAL_BATCH // 2)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, r in enumerate(ranks):
+        assert (r["world_size"], r["process_index"], r["model_class"]) == (2, rank, "DeepSpeedEngine")
+        assert r["parallel_mode"] == "ParallelMode.DISTRIBUTED" and r["optimizer_steps"] == [4]
+    _assert_matches_reference(ranks[0], reference, _weights(out / "final"), norms=False)
+    smp_logs = _train_logs(smp_data_parallel[1][0])
+    np.testing.assert_allclose([h["loss"] for h in _train_logs(ranks[0])], [h["loss"] for h in smp_logs], rtol=1e-5)
 
 
 # ---- an SMP-era run_clm.py ---------------------------------------------------------------------

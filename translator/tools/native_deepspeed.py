@@ -35,11 +35,14 @@ _KEPT = ("gradient_clipping", "fp16", "bf16", "zero_allow_untested_optimizer", "
 
 
 def native_config(plan: Plan, model_type: str | None = None, pipelines_by_hand: bool = False,
-                  unknown_family: str = "give --model-type to check") -> tuple[dict[str, Any], list[str]]:
+                  unknown_family: str = "give --model-type to check",
+                  batch_from_trainer: bool = False) -> tuple[dict[str, Any], list[str]]:
     """(the DeepSpeed config, the notes on what differs from SMP) for ``plan`` (its per-rank batch: ``--batch-size``
     or the hyperparameters). Raises :class:`SMPConfigError` naming the key for what native DeepSpeed cannot run as
     SMP did. ``pipelines_by_hand``: a pipeline is not refused (``smp2ds port`` marks it for a person) and the config
     covers the rest of the layout. ``unknown_family``: what the AutoTP note tells a user whose family is not known.
+    ``batch_from_trainer``: a Hugging Face Trainer sets the batch keys (``trainer_deepspeed``), so an unknown
+    per-rank batch is no error and the config has no batch keys.
     """
     topo, settings = plan.topology_settings, plan.engine_settings
     batch_size = settings.batch.per_rank_batch
@@ -57,12 +60,20 @@ def native_config(plan: Plan, model_type: str | None = None, pipelines_by_hand: 
                             hint="export the weights (`smp2ds checkpoint export --to hf`) and train that model with "
                                  "data or sharded data parallelism (tensor_parallel_degree 1), or under accelerate "
                                  "(convert --to accelerate) if it has a tp_plan"))
-    if batch_size is None:
+    if batch_size is None and not batch_from_trainer:
         issues.append(Issue("/microbatches", "a native DeepSpeed config needs its batch sizes: the per-rank batch is "
                             "not known", hint="give --batch-size B (the batch each rank's script feeds one step)"))
     if issues:
         raise SMPConfigError(issues)
-    assert batch_size is not None
+    config: dict[str, Any] = {k: plan.deepspeed[k] for k in _KEPT if k in plan.deepspeed}
+    notes = [] if batch_size is None else _batch(plan, batch_size, config)
+    return config, notes + _layout(plan, config, model_type, unknown_family)
+
+
+def _batch(plan: Plan, batch_size: int, config: dict[str, Any]) -> list[str]:
+    """Add the batch keys for SMP's per-rank ``batch_size`` to ``config``; the note saying how they were counted."""
+    topo, settings = plan.topology_settings, plan.engine_settings
+    tp = topo.tensor_parallel_degree
     micro_batches = settings.batch.microbatches
     prescaled = settings.batch.prescaled_batch
     rows = batch_size * (tp if tp > 1 and not prescaled else 1)  # what one DeepSpeed data-parallel rank feeds
@@ -74,7 +85,6 @@ def native_config(plan: Plan, model_type: str | None = None, pipelines_by_hand: 
     # tensor-parallel ranks count as data-parallel ones there, though they feed the same rows
     counted = dp * tp
     micro = rows // micro_batches
-    config: dict[str, Any] = {k: plan.deepspeed[k] for k in _KEPT if k in plan.deepspeed}
     config.update({"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": micro_batches,
                    "train_batch_size": micro * micro_batches * counted})
     notes = [f"batch: SMP's per-rank batch {batch_size} in {micro_batches} micro-batch(es) -> "
@@ -82,6 +92,17 @@ def native_config(plan: Plan, model_type: str | None = None, pipelines_by_hand: 
              f"DeepSpeed's data-parallel size {dp}: train_batch_size {micro * micro_batches * counted}"
              + (f" (DeepSpeed counts the {tp} AutoTP ranks of a group in its batch check, though they share rows)"
                 if tp > 1 else "")]
+    return notes
+
+
+def _layout(plan: Plan, config: dict[str, Any], model_type: str | None, unknown_family: str) -> list[str]:
+    """Add ZeRO and AutoTP to ``config``; the notes on what differs from SMP."""
+    topo, settings = plan.topology_settings, plan.engine_settings
+    tp, notes = topo.tensor_parallel_degree, []
+    prescaled = settings.batch.prescaled_batch
+    rows_note = ("" if prescaled or settings.batch.per_rank_batch is None else
+                 f"; each tensor-parallel group feeds {settings.batch.per_rank_batch * tp} identical rows (SMP's "
+                 "tensor-parallel ranks read their own rows without prescaled_batch)")
     stage = settings.zero_stage
     zero: dict[str, Any] = {"stage": stage}
     sdp = topo.sharded_data_parallel_degree
@@ -100,8 +121,7 @@ def native_config(plan: Plan, model_type: str | None = None, pipelines_by_hand: 
         config["tensor_parallel"] = {"autotp_size": tp}
         notes.append(f"tensor_parallel_degree {tp} -> DeepSpeed AutoTP (tensor_parallel.autotp_size {tp})"
                      + ("" if model_type else f"; AutoTP refuses {', '.join(AUTOTP_REFUSED)}: {unknown_family}")
-                     + ("" if prescaled else f"; each tensor-parallel group feeds {rows} identical rows (SMP's "
-                        "tensor-parallel ranks read their own rows without prescaled_batch)"))
+                     + rows_note)
     if topo.pipeline_parallel_degree > 1:
         notes.append(f"pipeline_parallel_degree {topo.pipeline_parallel_degree} is left for a person: DeepSpeed's "
                      "PipelineModule needs the model as a layer list; this config covers the rest of the layout")
@@ -110,4 +130,4 @@ def native_config(plan: Plan, model_type: str | None = None, pipelines_by_hand: 
     if zero["stage"] == 0:
         notes.append("ZeRO stage 0: DeepSpeed loads a universal checkpoint (load_universal) into ZeRO stages 1 to 3 "
                      "only: to continue an exported checkpoint, set zero_optimization.stage 1 (same training)")
-    return config, notes
+    return notes
