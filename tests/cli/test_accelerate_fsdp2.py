@@ -5,7 +5,9 @@ The YAML goes through accelerate's own code: its launch parser reads the file (`
 ``ParallelismConfig`` built from that environment has the mesh whose groups are checked against smp2ds's own
 topology: the shard groups of ``sharded_data_parallel_degree`` are FSDP2's ``dp_shard`` groups, its replica groups the
 ``dp_replicate`` groups, the tensor-parallel groups the ``tp`` groups (same ranks). accelerate 1.15 refuses FSDP and
-ParallelismConfig on CPU ranks (``MULTI_CPU``), so the launch itself is not run here.
+ParallelismConfig on CPU ranks (``MULTI_CPU``), so the launch itself is not run here; what ``accelerator.prepare``
+does with the file (accelerate's mesh, ``fully_shard`` on its FSDP dimensions) is run by hand on 4 gloo ranks and
+trains like one process.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from smp2ds.cli import main
 from smp2ds.translator.topology import Topology
+from tests._dist import run_ranks
 
 pytest.importorskip("accelerate.parallelism_config")  # accelerate >= 1.10
 
@@ -67,6 +71,33 @@ def test_sharded_data_parallelism_is_fsdp2s_replicate_by_shard_mesh_with_smps_gr
     topo = Topology.for_world(4, pp=1, tp=1)
     assert _groups(names, shape, "dp_shard") == sorted(sorted(g) for g in topo.shard_groups(2))
     assert _groups(names, shape, "dp_replicate") == sorted(sorted(g) for g in topo.replica_groups(2))
+
+
+@pytest.mark.slow
+def test_fsdp2_on_the_converted_mesh_trains_like_one_process_with_smps_groups(tmp_path, capsys, monkeypatch):
+    """sdp 2 on 4 ranks -> the YAML -> accelerate's launch environment -> on each of 4 ranks accelerate's own
+    ``ParallelismConfig`` builds the mesh and FSDP2 shards a GPT-2 on its ``dp_replicate`` x ``dp_shard``
+    dimensions as ``accelerator.prepare`` does: 3 AdamW steps give the single process's losses and weights (the
+    engine's sharded data parallelism is held to single-process references in tests/engine/mics/), each rank
+    holds half of each parameter, and the shard and replica groups are SMP's."""
+    from tests.engine.workers import checkpoint_export_workers as cew
+
+    out = _convert(tmp_path, {"ddp": True, "sharded_data_parallel_degree": 2}, 4, capsys)
+    env, _ = _accelerate_env(out, monkeypatch)
+    assert env["FSDP_RESHARD_AFTER_FORWARD"].lower() == "true"
+    got = run_ranks(cew.fsdp2_on_accelerates_mesh, 4, 3,
+                    env={k: v for k, v in env.items() if k.startswith("PARALLELISM_CONFIG_")})
+    topo = Topology.for_world(4, pp=1, tp=1)
+    for rank, result in enumerate(got):
+        assert result["groups"]["dp_shard"] == next(sorted(g) for g in topo.shard_groups(2) if rank in g)
+        assert result["groups"]["dp_replicate"] == next(sorted(g) for g in topo.replica_groups(2) if rank in g)
+    want = cew.reference(None, steps=3)
+    assert got[0]["shard_rows"] * 2 == want["weights"]["transformer.wte.weight"].shape[0]
+    np.testing.assert_allclose([r["losses"] for r in got], [want["losses"]] * 4, rtol=1e-5)
+    weights = got[0]["state_dict"]
+    assert set(weights) == set(want["weights"])
+    for name, value in want["weights"].items():
+        np.testing.assert_allclose(weights[name], value.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def test_tensor_parallelism_is_tp_size_on_the_same_ranks(tmp_path, capsys, monkeypatch):

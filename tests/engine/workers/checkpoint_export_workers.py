@@ -141,6 +141,46 @@ def fsdp2_resume(path: str, steps: int = 2) -> dict[str, Any]:
     return plain(out)
 
 
+def fsdp2_on_accelerates_mesh(steps: int) -> dict[str, Any]:
+    """What ``accelerator.prepare`` does with an FSDP2 config, done by hand because accelerate 1.15 refuses FSDP on
+    CPU ranks: the device mesh of accelerate's own ``ParallelismConfig`` (read from the ``PARALLELISM_CONFIG_*``
+    environment its launcher gives the ranks, set by the caller), ``fully_shard`` on the mesh's FSDP dimensions per
+    transformer block and at the root, resharding after forward. The reference's GPT-2 trains steps 0..``steps - 1``
+    on this rank's rows; returns the global losses, the full weights (rank 0) and this rank's shard and replica
+    groups."""
+    import torch.distributed as dist
+    from accelerate.parallelism_config import ParallelismConfig
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = _init()
+    config = ParallelismConfig()
+    mesh = config.build_device_mesh("cpu")
+    fsdp_mesh = mesh[tuple(config.fsdp_dim_names)]
+    model = tw.hf_model("gpt2", SEED)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=True)
+    opt = tw.make_optimizer("adamw", model.parameters())
+    losses = []
+    for step in range(steps):
+        rows = torch.tensor_split(batch(step), world)[rank]
+        loss, share = loss_part(model, rows, world)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(share)
+        losses.append(float(share))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = {"losses": losses, "state_dict": {k: v.clone() for k, v in full.items()} if rank == 0 else None,
+           "groups": {dim: sorted(dist.get_process_group_ranks(mesh[dim].get_group()))
+                      for dim in ("dp_replicate", "dp_shard")},
+           "shard_rows": int(next(model.parameters()).to_local().shape[0])}
+    dist.barrier()
+    dist.destroy_process_group()
+    return plain(out)
+
+
 def deepspeed_resume(path: str, stage: int, steps: int = 2, config: dict | None = None) -> dict[str, Any]:
     """A plain DeepSpeed script at ZeRO ``stage`` over this world (``load_universal``): a fresh model
     with other weights loads the universal export with ``engine.load_checkpoint`` and trains on. ``config``: the
