@@ -51,6 +51,8 @@ BASE_ENV = {
 PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
            "deepspeed.runtime.pipe.engine", "deepspeed.runtime.zero.stage_1_and_2"]
 _START_METHOD = os.environ.get("SMP2DS_TEST_START", "forkserver")
+_SESSION_ENV = dict(os.environ)
+"""The environment when the harness was imported (test collection), before any test changed it."""
 
 
 class RankFailed(RuntimeError):
@@ -97,8 +99,10 @@ def run_ranks(
         full_env.update(env or {})
         results = ctx.Queue()
         # Spawned interpreters (and the fork server, started on first use) must import the test
-        # module exactly as pytest did, and the server must preload in the ranks' base environment.
-        with _environ({**BASE_ENV, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}):
+        # module exactly as pytest did, and the server must preload in the ranks' base environment:
+        # the session's, never what the test that happens to start it has monkeypatched (the server
+        # lives on, and every later rank would inherit that).
+        with _environ_exactly({**_SESSION_ENV, **BASE_ENV, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}):
             procs = [ctx.Process(target=_worker, args=(r, fn, args, full_env, results)) for r in range(world_size)]
             for p in procs:
                 p.start()
@@ -106,18 +110,16 @@ def run_ranks(
 
 
 @contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """Set ``values`` in ``os.environ`` for the block, then restore what was there."""
-    saved = {k: os.environ.get(k) for k in values}
+def _environ_exactly(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` is exactly ``values`` for the block, then what it was."""
+    saved = dict(os.environ)
+    os.environ.clear()
     os.environ.update(values)
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _collect(procs: list[Any], results: Any, world_size: int, timeout_s: float) -> list[Any]:

@@ -46,3 +46,22 @@ def test_failure_names_the_rank_and_its_error():
 def test_hang_is_killed_and_names_the_rank():
     with pytest.raises(RankTimeout, match=r"ranks \[0\] did not finish within 8s"):
         run_ranks(_hang_on_rank_zero, 2, timeout_s=8)
+
+
+def _read_env(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_ranks_never_inherit_what_the_test_monkeypatched(monkeypatch):
+    """The fork server lives for the session: started under a test's monkeypatched variable, it would hand that
+    variable to every later test's ranks (accelerate's PARALLELISM_CONFIG_* once turned later Trainer runs into a
+    4-rank mesh). It is started in the session's environment; a rank sees only that, BASE_ENV and ``env``."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()  # the next run starts the server afresh, while the variable is set
+    monkeypatch.setenv("SMP2DS_LEAK_PROBE", "leaked")
+    assert run_ranks(_read_env, 2, "SMP2DS_LEAK_PROBE", timeout_s=120) == [None, None]
+    assert run_ranks(_read_env, 2, "SMP2DS_LEAK_PROBE", timeout_s=120, env={"SMP2DS_LEAK_PROBE": "given"}) == [
+        "given", "given"]

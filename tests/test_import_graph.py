@@ -526,6 +526,18 @@ def test_the_modules_that_import_torch_distributed_are_the_documented_ones():
     assert torch_distributed_importers() == documented
 
 
+def test_the_modules_that_read_smp_state_are_the_documented_ones(graph):
+    """Only SMP's handle-free API (and what reports on the running job) reads ``smp.state``; everything below takes
+    the runtime as an argument. The table in docs/architecture.md is the list."""
+    files, imports = graph
+    readers = {files[module].relative_to(ROOT).as_posix() for module, found in imports.items()
+               if module != "smp2ds.engine.core.state"
+               for i in found if i.target == "smp2ds.engine.core.state" and not i.typing_only}
+    documented = {span for cells in _markdown_rows(ARCHITECTURE.read_text(), "| Module that imports the state |")
+                  for span in _code_spans(cells[0])}
+    assert readers == documented
+
+
 def test_process_groups_are_created_in_one_module():
     """``comm.new_group`` (the only caller of torch's) is called from ``core/process_groups.py`` alone."""
     callers = set()

@@ -494,6 +494,7 @@ def test_the_resume_rewrite_restores_weights_moments_and_user_content_as_asked(t
 
 
 LOAD_SCRIPT = '''import json
+import os
 import torch
 import smdistributed.modelparallel.torch as smp
 
@@ -531,8 +532,9 @@ def main():
     train(2)
     final, want = model.state_dict(), reference.state_dict()
     sent = smp.broadcast({"from": 0}, smp.CommGroup.WORLD) if smp.rank() == 0 else smp.recv_from(0, smp.RankType.WORLD_RANK)
-    print(json.dumps({"loaded": loaded, "diff": max((final[k] - want[k]).abs().max().item() for k in want),
-                      "sent": sent}))
+    # one write per line: the two ranks share the pipe, and print's separate writes of text and newline interleave
+    os.write(1, (json.dumps({"loaded": loaded, "diff": max((final[k] - want[k]).abs().max().item() for k in want),
+                             "sent": sent}) + "\\n").encode())
 
 
 main()
@@ -586,6 +588,7 @@ def test_process_group_rules_golden(tmp_path, capsys):
 
 
 LOAD_TP_SCRIPT = '''import json
+import os
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 import smdistributed.modelparallel.torch as smp
@@ -615,7 +618,7 @@ def main():
         optimizer.step()
         if len(losses) == 2:
             model.load_state_dict(start)  # back to the first weights, every AutoTP shard its part
-    print(json.dumps({"losses": losses}))
+    os.write(1, (json.dumps({"losses": losses}) + "\\n").encode())  # one write: the ranks share the pipe
 
 
 main()
