@@ -226,6 +226,8 @@ def test_trainer_script_under_accelerate_with_the_converted_config_trains_as_und
     for rank, r in enumerate(ranks):
         assert (r["world_size"], r["process_index"], r["model_class"]) == (2, rank, "DeepSpeedEngine")
         assert r["parallel_mode"] == "ParallelMode.DISTRIBUTED" and r["optimizer_steps"] == [4]
+        assert r["smp_imported"] == []  # neither smdistributed nor smp2ds was imported
+    assert smp_data_parallel[1][0]["smp_imported"] == ["smdistributed", "smp2ds"]  # the check can see them
     _assert_matches_reference(ranks[0], reference, _weights(out / "final"), norms=False)
     smp_logs = _train_logs(smp_data_parallel[1][0])
     np.testing.assert_allclose([h["loss"] for h in _train_logs(ranks[0])], [h["loss"] for h in smp_logs], rtol=1e-5)

@@ -11,6 +11,7 @@ evaluates with per-sample metrics, saves the model, and writes what it saw to
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 import torch
@@ -88,6 +89,7 @@ def main():
         "parallel_mode": str(args.parallel_mode), "model_class": type(trainer.model_wrapped).__name__,
         "optimizer_class": type(trainer.optimizer).__name__,
         "optimizer_steps": sorted({int(s["step"]) for s in inner.state.values() if "step" in s}),
+        "smp_imported": sorted({m.split(".")[0] for m in sys.modules if m.split(".")[0] in ("smp2ds", "smdistributed")}),
     }
     out = os.environ.get("SMP2DS_SCRIPT_OUT", cli.output_dir)  # set by the test harness
     with open(os.path.join(out, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
