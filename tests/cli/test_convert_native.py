@@ -79,6 +79,10 @@ def test_trainer_mode_leaves_the_trainers_keys_auto_and_needs_no_batch(tmp_path,
     assert config["zero_optimization"] == {"stage": 3, "zero_hpz_partition_size": 2}
     assert config["bf16"]["enabled"] is True
     assert "pass --max_grad_norm 0.5" in err and "pass --bf16" in err
+    code, out, err = _native(tmp_path, {"ddp": True, "microbatches": 2}, capsys, "--world-size", "2", "--trainer",
+                             "--batch-size", "4")
+    assert code == 0 and json.loads(out)["train_micro_batch_size_per_gpu"] == "auto"
+    assert "batch: SMP's per-rank batch" not in err  # no counted batch beside the Trainer's "auto"
 
 
 def test_trainer_mode_is_refused_where_no_deepspeed_json_is_written(tmp_path, capsys):

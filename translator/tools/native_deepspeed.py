@@ -41,8 +41,8 @@ def native_config(plan: Plan, model_type: str | None = None, pipelines_by_hand: 
     or the hyperparameters). Raises :class:`SMPConfigError` naming the key for what native DeepSpeed cannot run as
     SMP did. ``pipelines_by_hand``: a pipeline is not refused (``smp2ds port`` marks it for a person) and the config
     covers the rest of the layout. ``unknown_family``: what the AutoTP note tells a user whose family is not known.
-    ``batch_from_trainer``: a Hugging Face Trainer sets the batch keys (``trainer_deepspeed``), so an unknown
-    per-rank batch is no error and the config has no batch keys.
+    ``batch_from_trainer``: a Hugging Face Trainer sets the batch keys (``trainer_deepspeed``), so the config has
+    none and an unknown per-rank batch is no error.
     """
     topo, settings = plan.topology_settings, plan.engine_settings
     batch_size = settings.batch.per_rank_batch
@@ -66,7 +66,7 @@ def native_config(plan: Plan, model_type: str | None = None, pipelines_by_hand: 
     if issues:
         raise SMPConfigError(issues)
     config: dict[str, Any] = {k: plan.deepspeed[k] for k in _KEPT if k in plan.deepspeed}
-    notes = [] if batch_size is None else _batch(plan, batch_size, config)
+    notes = [] if batch_size is None or batch_from_trainer else _batch(plan, batch_size, config)
     return config, notes + _layout(plan, config, model_type, unknown_family)
 
 
