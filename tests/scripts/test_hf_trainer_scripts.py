@@ -51,12 +51,18 @@ def _smp_run(out: Path, partitions: int, *extra: str, parameters: dict | None = 
                         env=SMP_ENV, timeout_s=TIMEOUT_S)
 
 
+def _plain_env(report_dir: Path) -> dict[str, str]:
+    """A launch with no SageMaker environment (so no SMP path), the ranks' reports written to ``report_dir``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SM_")}
+    env.update(BASE_ENV, SMP2DS_SCRIPT_OUT=str(report_dir), PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return env
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The same script as one plain process (no SMP environment), global batch per device."""
     out = tmp_path_factory.mktemp("reference")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SM_")}
-    env.update(BASE_ENV, SMP2DS_SCRIPT_OUT=str(out), PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = _plain_env(out)
     proc = subprocess.run([sys.executable, str(SCRIPT), "--output_dir", str(out), "--per_device_train_batch_size",
                            str(GLOBAL_BATCH)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -216,8 +222,7 @@ def test_trainer_script_under_accelerate_with_the_converted_config_trains_as_und
                                         "gradient_accumulation_steps", "gradient_clipping")} == {"auto"}
 
     out = tmp_path / "accelerate"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SM_")}
-    env.update(BASE_ENV, SMP2DS_SCRIPT_OUT=str(tmp_path), PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = _plain_env(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                            str(SCRIPT), "--output_dir", str(out), "--per_device_train_batch_size",
                            str(GLOBAL_BATCH // 2)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -256,8 +261,7 @@ def _run_clm_outputs(out: Path) -> dict[str, Any]:
 def run_clm_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """run_clm.py as one plain process (no SMP environment) with the global batch."""
     out = tmp_path_factory.mktemp("run_clm_plain")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SM_")}
-    env.update(BASE_ENV, SMP2DS_SCRIPT_OUT=str(out), PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = _plain_env(out)
     plain = subprocess.run([sys.executable, str(RUN_CLM), *RUN_CLM_ARGS, "--output_dir", str(out / "plain"),
                             "--per_device_train_batch_size", str(GLOBAL_BATCH)],
                            env=env, capture_output=True, text=True, timeout=TIMEOUT_S)

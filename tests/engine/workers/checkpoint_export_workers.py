@@ -88,18 +88,28 @@ def _init() -> tuple[int, int]:
     return rank, world
 
 
-def _train(model: torch.nn.Module, step_fn: Any, rank: int, world: int, steps: int) -> list[float]:
-    """Steps ``SAVED_STEPS ..``: this rank's rows of each global batch; returns the global losses."""
+def _train(model: torch.nn.Module, step_fn: Any, rank: int, world: int, steps: int,
+           first: int = SAVED_STEPS) -> list[float]:
+    """Steps ``first ..``: this rank's rows of each global batch; returns the global losses."""
     import torch.distributed as dist
 
     losses = []
-    for step in range(SAVED_STEPS, SAVED_STEPS + steps):
+    for step in range(first, first + steps):
         rows = torch.tensor_split(batch(step), world)[rank]
         loss, share = loss_part(model, rows, world)
         step_fn(loss)
         dist.all_reduce(share)
         losses.append(float(share))
     return losses
+
+
+def _plain_step(opt: torch.optim.Optimizer) -> Any:
+    """A plain PyTorch step: backward, the optimizer's step, gradients cleared."""
+    def step(loss: torch.Tensor) -> None:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return step
 
 
 def fsdp2_resume(path: str, steps: int = 2) -> dict[str, Any]:
@@ -127,12 +137,7 @@ def fsdp2_resume(path: str, steps: int = 2) -> dict[str, Any]:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     steps_after_load = [float(s["step"]) for s in opt.state.values()]
 
-    def step_fn(loss: torch.Tensor) -> None:
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    losses = _train(model, step_fn, rank, world, steps)
+    losses = _train(model, _plain_step(opt), rank, world, steps)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out = {"losses": losses, "steps_after_load": sorted(set(steps_after_load)),
            "state_dict": {k: v.clone() for k, v in full.items()} if rank == 0 else None}
@@ -162,15 +167,8 @@ def fsdp2_on_accelerates_mesh(steps: int) -> dict[str, Any]:
         fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=True)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=True)
     opt = tw.make_optimizer("adamw", model.parameters())
-    losses = []
-    for step in range(steps):
-        rows = torch.tensor_split(batch(step), world)[rank]
-        loss, share = loss_part(model, rows, world)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        dist.all_reduce(share)
-        losses.append(float(share))
+
+    losses = _train(model, _plain_step(opt), rank, world, steps, first=0)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out = {"losses": losses, "state_dict": {k: v.clone() for k, v in full.items()} if rank == 0 else None,
            "groups": {dim: sorted(dist.get_process_group_ranks(mesh[dim].get_group()))
